@@ -1,0 +1,334 @@
+"""Recipes: YAML files mapped onto a typed schema.
+
+A recipe is loaded with OmegaConf (``extends`` first, then the file, then ``KEY=VALUE`` overrides),
+then checked against the dataclasses below. Every problem is collected and reported at once, each
+naming its dotted key; unknown keys get a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Literal, Optional, Union
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.errors import UserError
+
+# Field bounds live in field metadata: gt (exclusive minimum), ge, le, lt.
+def _bounded(default: Any, **bounds: float) -> Any:
+    return field(default=default, metadata=bounds)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "assets/all-MiniLM-L6-v2"
+    """A local folder holding a transformers model (config.json, weights, tokenizer), or a Hub id."""
+
+
+@dataclass
+class DataConfig:
+    train_file: Optional[str] = None
+    """Training data: csv, tsv, json, jsonl or parquet, optionally compressed (.gz, .bz2, .xz, .zst)."""
+    eval_file: Optional[str] = None
+    """Evaluation data in the same formats. Without it, ``eval_fraction`` of the training rows is held out."""
+    dataset: Optional[str] = None
+    """A Hub dataset name, used instead of ``train_file`` (needs network or a filled datasets cache)."""
+    dataset_config: Optional[str] = None
+    """The Hub dataset's configuration name, if it has several."""
+    train_split: str = "train"
+    """The split of ``dataset`` to train on."""
+    eval_split: Optional[str] = None
+    """The split of ``dataset`` to evaluate on; without it ``eval_fraction`` of the train split is held out."""
+    eval_fraction: float = _bounded(0.1, gt=0.0, lt=1.0)
+    """Fraction of the training rows held out for evaluation (seeded by ``seed``) when there is no eval set."""
+    text_column: str = "text"
+    """Column holding the text."""
+    text_pair_column: Optional[str] = None
+    """Optional second text column, for sentence-pair tasks."""
+    label_column: str = "label"
+    """Column holding the label: strings (mapped to ids in sorted order) or integers."""
+    labels: Optional[List[str]] = None
+    """Keep only rows whose label is one of these; their order gives the label ids."""
+    max_length: int = _bounded(128, ge=8)
+    """Longest tokenized input; longer texts are truncated."""
+    max_train_samples: Optional[int] = _bounded(None, gt=0)
+    """Train on at most this many rows (taken after the eval split)."""
+    max_eval_samples: Optional[int] = _bounded(None, gt=0)
+    """Evaluate on at most this many rows."""
+    group_by_length: bool = False
+    """Batch examples of similar length together (shuffled in mega-batches): less padding, faster steps."""
+    num_workers: int = _bounded(0, ge=0)
+    """DataLoader worker processes."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = _bounded(3.0, gt=0)
+    """Passes over the training data (fractions allowed). Ignored when ``max_steps`` is set."""
+    max_steps: Optional[int] = _bounded(None, gt=0)
+    """Stop after this many optimizer steps."""
+    batch_size: int = _bounded(32, gt=0)
+    """Examples per device per forward pass."""
+    eval_batch_size: Optional[int] = _bounded(None, gt=0)
+    """Examples per device per evaluation forward pass; defaults to twice ``batch_size``."""
+    gradient_accumulation_steps: int = _bounded(1, gt=0)
+    """Forward/backward passes per optimizer step."""
+    max_grad_norm: Optional[float] = _bounded(1.0, gt=0)
+    """Clip the global gradient norm to this value; null turns clipping off."""
+    log_every: int = _bounded(10, gt=0)
+    """Log the mean training loss every this many optimizer steps."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = _bounded(5e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = _bounded(0.01, ge=0)
+    """Decoupled weight decay, applied to weights but not to biases and normalization layers."""
+    scheduler: Literal["linear", "cosine"] = "linear"
+    """Learning-rate schedule after warmup."""
+    warmup_ratio: float = _bounded(0.0, ge=0, lt=1)
+    """Fraction of the optimizer steps spent warming up linearly from zero."""
+
+
+@dataclass
+class FSDPConfig:
+    version: Literal[1, 2] = 2
+    """FSDP implementation: 2 (per-parameter sharding, fully_shard) or 1 (FlatParameter)."""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
+    """What is sharded: parameters+gradients+optimizer state, gradients+state only, nothing, or per node."""
+    auto_wrap_policy: Literal["transformer", "size", "none"] = "transformer"
+    """Wrap each transformer block (the model's _no_split_modules), modules above a size, or the model whole."""
+    min_num_params: int = _bounded(100_000_000, gt=0)
+    """Parameter count above which a module is wrapped, with ``auto_wrap_policy: size``."""
+    activation_checkpointing: bool = False
+    """Recompute each wrapped block's activations in backward instead of storing them."""
+    cpu_ram_efficient_loading: bool = True
+    """Load the pretrained weights on the first process only and broadcast them (less host memory)."""
+    offload_params: bool = False
+    """Keep parameters and gradients on the CPU between uses."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = _bounded(2, ge=0, le=3)
+    """ZeRO stage: 1 shards optimizer state, 2 adds gradients, 3 adds parameters."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Where ZeRO keeps the optimizer state."""
+    offload_params: Literal["none", "cpu", "nvme"] = "none"
+    """Where ZeRO-3 keeps the parameters."""
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
+    """How processes share the work; auto takes what the launch config sets up (DDP when several processes)."""
+    num_processes: Optional[int] = _bounded(None, gt=0)
+    """The number of processes this recipe expects; the run refuses to start with any other number."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+@dataclass
+class RunConfig:
+    task: Literal["text_classification"] = "text_classification"
+    """What is trained; each task lives in ``framework/tasks/``."""
+    seed: int = 42
+    """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
+    output_dir: str = "runs/text_classification"
+    """Where the run writes config.yaml, metrics.jsonl, summary.json, model/ and checkpoints/."""
+    overwrite: bool = False
+    """Allow replacing the outputs of an earlier run in ``output_dir``."""
+    backend: Literal["auto", "cpu", "gpu", "xla"] = "auto"
+    """Where to train; auto takes what the launch provides (XLA, else a GPU, else the CPU)."""
+    precision: Literal["no", "fp16", "bf16", "fp8"] = "no"
+    """Mixed precision through accelerate."""
+    report_to: List[str] = field(default_factory=list)
+    """Experiment trackers accelerate should log to (tensorboard, wandb, ...)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
+    """Load a recipe (with its ``extends`` chain), apply ``KEY=VALUE`` overrides, validate, and return it."""
+    raw = _load_recipe(Path(path), ()) if path is not None else OmegaConf.create({})
+    raw = OmegaConf.merge(raw, _parse_overrides(overrides))
+    try:
+        data = OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as e:
+        raise UserError(f"recipe: cannot resolve an interpolation: {e}") from None
+    data.pop("extends", None)
+    cfg, problems = _build(RunConfig, data, "")
+    problems += _cross_checks(cfg)
+    if problems:
+        where = f"recipe {path}" if path is not None else "recipe"
+        raise UserError(f"{where} has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)), sort_keys=False)
+
+
+def _load_recipe(path: Path, chain: tuple) -> Any:
+    if not path.is_file():
+        raise UserError(f"recipe file {path} does not exist; pass an existing file to --config (see recipes/)")
+    if path.resolve() in chain:
+        raise UserError(f"recipe {path}: 'extends' forms a cycle")
+    try:
+        conf = OmegaConf.load(path)
+    except Exception as e:  # yaml errors come in several types; all mean the same to the user
+        raise UserError(f"recipe {path} is not valid YAML: {e}") from None
+    if not OmegaConf.is_dict(conf):
+        raise UserError(f"recipe {path} must be a mapping of keys to values, not {type(conf).__name__}")
+    parents = conf.get("extends") or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged = OmegaConf.create({})
+    for parent in parents:
+        parent_path = path.parent / str(parent)
+        if not parent_path.is_file():
+            raise UserError(f"recipe {path}: extends '{parent}', but {parent_path} does not exist")
+        merged = OmegaConf.merge(merged, _load_recipe(parent_path, chain + (path.resolve(),)))
+    return OmegaConf.merge(merged, conf)
+
+
+def _parse_overrides(overrides: List[str]) -> Any:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise UserError(f"override '{item}' must look like KEY=VALUE, for example train.batch_size=16")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise UserError(f"cannot parse overrides {overrides}: {e}") from None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _all_keys(cls: type, prefix: str = "") -> List[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        hints = typing.get_type_hints(cls)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _suggest(key: str, prefix: str, cls: type) -> str:
+    siblings = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    # The key may belong to another section: lr at the top level means optim.lr.
+    everywhere = _all_keys(RunConfig)
+    same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    close = same_name or difflib.get_close_matches(key, [k.rsplit(".", 1)[-1] for k in everywhere], n=1)
+    if close:
+        full = same_name[0] if same_name else next(k for k in everywhere if k.endswith("." + close[0]) or k == close[0])
+        return f"; did you mean '{full}'?"
+    return f"; valid keys here: {', '.join(siblings)}"
+
+
+def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
+    """Turn a plain dict into ``cls``, collecting (not raising) every problem."""
+    where = prefix.rstrip(".") or "the recipe"
+    if not isinstance(data, dict):
+        return cls(), [f"{where} must be a mapping, got {_show(data)}"]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    problems, values = [], {}
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(f"unknown key '{prefix}{key}'{_suggest(str(key), prefix, cls)}")
+            continue
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            values[key], sub = _build(kind, value if value is not None else {}, f"{prefix}{key}.")
+            problems += sub
+            continue
+        ok, value, allowed = _coerce(value, kind)
+        if not ok:
+            problems.append(f"{prefix}{key}: {_show(value)} is not allowed; expected {allowed}")
+            continue
+        bound = _check_bounds(value, fields[key].metadata)
+        if bound:
+            problems.append(f"{prefix}{key}: {_show(value)} is out of range; it must be {bound}")
+            continue
+        values[key] = value
+    return cls(**values), problems
+
+
+def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
+    """Return (ok, value, description of what is allowed) for ``value`` against the type hint ``kind``."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None:
+            return True, None, ""
+        results = [_coerce(value, a) for a in inner]
+        for ok, coerced, _ in results:
+            if ok:
+                return True, coerced, ""
+        return False, value, " or ".join(r[2] for r in results) + " or null"
+    if origin is Literal:
+        return value in args, value, "one of " + ", ".join(str(a) for a in args)
+    if origin in (list, List):
+        (item,) = args
+        if not isinstance(value, list):
+            return False, value, f"a list of {item.__name__}"
+        coerced = [_coerce(v, item) for v in value]
+        return all(c[0] for c in coerced), [c[1] for c in coerced], f"a list of {item.__name__}"
+    if kind is bool:
+        return isinstance(value, bool), value, "true or false"
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value, "a number"
+    if kind is str:
+        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        return ok, str(value) if ok else value, "a string"
+    raise TypeError(f"unsupported schema type {kind}")
+
+
+def _check_bounds(value: Any, bounds: Any) -> str:
+    if value is None or not bounds:
+        return ""
+    rules = {"gt": (lambda v, b: v > b, "> {}"), "ge": (lambda v, b: v >= b, ">= {}"),
+             "lt": (lambda v, b: v < b, "< {}"), "le": (lambda v, b: v <= b, "<= {}")}
+    failed = any(not rules[k][0](value, b) for k, b in bounds.items())
+    return " and ".join(rules[k][1].format(b) for k, b in bounds.items()) if failed else ""
+
+
+def _cross_checks(cfg: RunConfig) -> List[str]:
+    """Rules that involve more than one key."""
+    problems = []
+    d = cfg.data
+    if not d.train_file and not d.dataset:
+        problems.append("data.train_file is required (or data.dataset for a Hub dataset)")
+    if d.train_file and d.dataset:
+        problems.append("set data.train_file or data.dataset, not both")
+    if d.labels is not None and len(set(d.labels)) < 2:
+        problems.append(f"data.labels: {d.labels} must name at least two distinct labels")
+    return problems
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value, default=str)

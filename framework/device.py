@@ -1,0 +1,192 @@
+"""The one place that knows backends: recipe + launch -> Accelerator, and what the run really got.
+
+The recipe says what it wants (``backend``, ``precision``, ``distributed``); ``accelerate launch`` says
+what it started (processes, FSDP/DeepSpeed plugins through the environment). When the two cannot
+agree the run refuses with a UserError; where it falls back by design the plan says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Dict, List
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+)
+
+from framework.config import RunConfig
+from framework.errors import UserError
+
+XLA_INSTALL = "install it with `pip install -e '.[xla]'` (or `make install-xla`)"
+
+
+def has_xla() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def _launched_with(name: str) -> bool:
+    return os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("1", "true", "yes")
+
+
+def check(cfg: RunConfig) -> None:
+    """Refuse, before anything is built, the combinations that cannot work here."""
+    backend, precision, strategy = cfg.backend, cfg.precision, cfg.distributed.strategy
+    cuda = torch.cuda.is_available()
+    xla = backend == "xla" or (backend == "auto" and has_xla() and not cuda)
+    if backend == "xla" and not has_xla():
+        raise UserError(f"backend: xla needs torch_xla, which is not installed; {XLA_INSTALL}")
+    if backend == "gpu" and not cuda:
+        raise UserError("backend: gpu, but torch sees no CUDA device; use backend=cpu or backend=auto")
+    if precision == "fp16" and xla:
+        raise UserError("precision: fp16 is not supported on XLA; use precision=bf16")
+    if precision == "fp16" and (backend == "cpu" or not (cuda or xla)):
+        raise UserError("precision: fp16 needs a GPU; use precision=bf16 (autocast) on the CPU, or precision=no")
+    if precision == "fp8":
+        if not cuda:
+            raise UserError("precision: fp8 needs an fp8-capable GPU (Hopper or newer); use bf16 or no")
+        if not any(importlib.util.find_spec(m) for m in ("transformer_engine", "torchao", "msamp")):
+            raise UserError("precision: fp8 needs transformer_engine, torchao or msamp installed; "
+                            "install one (e.g. `pip install torchao`) or use precision=bf16")
+    if strategy in ("fsdp", "deepspeed"):
+        if backend == "cpu" or not cuda:
+            raise UserError(f"distributed.strategy: {strategy} needs CUDA GPUs (accelerate would silently "
+                            f"train plain data-parallel on the CPU); use strategy=ddp or strategy=auto here")
+    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserError("distributed.strategy: deepspeed needs the deepspeed package; `pip install deepspeed`")
+    if strategy == "fsdp" and cfg.distributed.fsdp.version == 2 and \
+            cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
+        raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
+                        "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
+    launched = "fsdp" if _launched_with("FSDP") else "deepspeed" if _launched_with("DEEPSPEED") else None
+    if launched and strategy not in ("auto", launched):
+        raise UserError(f"distributed.strategy: the recipe asks for {strategy} but the launch config sets up "
+                        f"{launched}; use a matching --config_file or set distributed.strategy={launched}")
+
+
+def _plugins(cfg: RunConfig) -> dict:
+    d = cfg.distributed
+    if d.strategy == "fsdp":
+        f = d.fsdp
+        wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
+        options = dict(fsdp_version=f.version, auto_wrap_policy=wrap[f.auto_wrap_policy],
+                       activation_checkpointing=f.activation_checkpointing, cpu_offload=f.offload_params,
+                       cpu_ram_efficient_loading=f.cpu_ram_efficient_loading, min_num_params=f.min_num_params,
+                       state_dict_type="FULL_STATE_DICT")
+        if f.version == 2:
+            options["reshard_after_forward"] = f.sharding_strategy == "FULL_SHARD"
+        else:
+            options["sharding_strategy"] = f.sharding_strategy
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(**options)}
+    if d.strategy == "deepspeed":
+        z = d.deepspeed
+        return {"deepspeed_plugin": DeepSpeedPlugin(
+            zero_stage=z.zero_stage, offload_optimizer_device=z.offload_optimizer, offload_param_device=z.offload_params,
+            gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+            gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)}
+    return {}
+
+
+def build_accelerator(cfg: RunConfig) -> Accelerator:
+    check(cfg)
+    try:
+        accelerator = Accelerator(
+            cpu=cfg.backend == "cpu",
+            mixed_precision=cfg.precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=cfg.train.gradient_accumulation_steps,
+                # The loop consumes whole accumulation windows per epoch, so no partial window at the end.
+                sync_with_dataloader=False,
+            ),
+            # A seeded sampler whose order depends only on (seed, epoch): the same on every process and
+            # reproducible on resume.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # The loop steps the scheduler once per optimizer step, whatever the number of processes.
+            step_scheduler_with_optimizer=False,
+            log_with=cfg.report_to or None,
+            project_dir=cfg.output_dir,
+            **_plugins(cfg),
+        )
+    except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
+        raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
+    _check_launch(cfg, accelerator)
+    return accelerator
+
+
+def _check_launch(cfg: RunConfig, accelerator: Accelerator) -> None:
+    """What the launch started must be what the recipe asked for."""
+    got = backend_name(accelerator)
+    if cfg.backend not in ("auto", got):
+        raise UserError(f"backend: the recipe asks for {cfg.backend} but the run got {got} "
+                        f"({accelerator.distributed_type.value}); check the launch config")
+    if cfg.precision != accelerator.mixed_precision:
+        raise UserError(f"precision: the recipe asks for {cfg.precision} but accelerate set up "
+                        f"{accelerator.mixed_precision} on {accelerator.device}; choose a precision the device supports")
+    if "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        # accelerate's simple launcher sets MASTER_ADDR for a multi-process config it then starts as one
+        # process (distributed_type MULTI_CPU without mpirun).
+        raise UserError("the launch config asks for several processes but only one was started; on the CPU use "
+                        "--config_file accelerate_configs/cpu_ddp.yaml (MULTI_GPU with use_cpu: true)")
+    expected = cfg.distributed.num_processes
+    if expected and expected != accelerator.num_processes:
+        raise UserError(f"distributed.num_processes: the recipe expects {expected} processes but the launch "
+                        f"started {accelerator.num_processes}; pass --num_processes {expected} to accelerate launch")
+
+
+def backend_name(accelerator: Accelerator) -> str:
+    if accelerator.distributed_type == DistributedType.XLA:
+        return "xla"
+    return "gpu" if accelerator.device.type == "cuda" else accelerator.device.type
+
+
+def strategy_name(accelerator: Accelerator) -> str:
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
+    if kind == DistributedType.DEEPSPEED:
+        return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
+    if accelerator.num_processes > 1:
+        return "xla data parallel" if kind == DistributedType.XLA else "ddp"
+    return "single process"
+
+
+def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
+    """Where the run falls back by design: said in the plan, never silent."""
+    said = []
+    if cfg.backend == "auto" and backend_name(accelerator) == "cpu":
+        said.append("backend auto: no GPU or XLA device found, training on the CPU")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched and launched != cfg.precision:
+        said.append(f"precision {cfg.precision} comes from the recipe; the launch config's {launched} is not used")
+    if cfg.distributed.strategy == "ddp" and accelerator.num_processes == 1:
+        said.append("distributed.strategy ddp with one process: no data parallelism (launch more processes)")
+    if accelerator.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) // accelerator.num_processes:
+        said.append(f"each process uses {torch.get_num_threads()} CPU thread(s) of {os.cpu_count()} cores; launch "
+                    "with --config_file accelerate_configs/cpu.yaml or --num_cpu_threads_per_process to use more")
+    return said
+
+
+def describe(accelerator: Accelerator) -> Dict[str, object]:
+    """What the run actually got, for the plan and summary.json."""
+    return {
+        "backend": backend_name(accelerator),
+        "device": str(accelerator.device),
+        "num_processes": accelerator.num_processes,
+        "strategy": strategy_name(accelerator),
+        "precision": accelerator.mixed_precision,
+    }
+
+
+def peak_memory_bytes(accelerator: Accelerator) -> int:
+    """Peak memory of this process: the CUDA allocator's peak on GPU, else the process peak RSS."""
+    if accelerator.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(accelerator.device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

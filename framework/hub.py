@@ -1,0 +1,37 @@
+"""Fail fast when a Hub name is used without network: the hub clients otherwise retry for a minute."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from huggingface_hub import constants
+
+from framework.errors import UserError
+
+
+def require_hub(key: str, name: str) -> None:
+    """Raise a UserError naming ``key`` when ``name`` would need the Hub and the Hub cannot be reached."""
+    hint = {"model.name_or_path": "point it at a local folder holding config.json, the weights and the tokenizer",
+            "data.dataset": "use data.train_file (and data.eval_file) with local files instead"}[key]
+    if constants.HF_HUB_OFFLINE:
+        return  # the clients then read only their local cache, and fail fast when it lacks the files
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+    except OSError as e:
+        raise UserError(f"{key}: '{name}' is not a local path and the Hub ({url.hostname}) is unreachable "
+                        f"({e.strerror or e}); {hint} (or set HF_HUB_OFFLINE=1 to use the Hugging Face cache)") from None
+
+
+def check_model_path(name: str) -> None:
+    """Fail fast on a model that cannot be found, before any data work."""
+    if Path(name).exists():
+        if not (Path(name) / "config.json").is_file():
+            raise UserError(f"model.name_or_path: folder {name} has no config.json; "
+                            "point it at a folder written by save_pretrained")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"model.name_or_path: folder {name} does not exist (relative paths start at {Path.cwd()})")
+    require_hub("model.name_or_path", name)

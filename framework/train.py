@@ -1,0 +1,238 @@
+"""setup -> fit -> evaluate: one explicit loop, read top to bottom, no callback engine."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+from framework import checkpoint, data, device, hub, memory
+from framework.config import RunConfig, to_yaml
+from framework.errors import UserError
+from framework.optim import build_optimizer, build_scheduler
+from framework.report import Reporter, write_json
+from framework.tasks import get_task
+
+
+@dataclass
+class TrainState:
+    """Counters shared by the loop and checkpointing."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    last_loss: Optional[float] = None  # mean training loss of the latest log window
+    tokens: int = 0  # non-padding tokens trained on, all processes
+    evals: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    accelerator: Accelerator
+    task: ModuleType
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_dl: DataLoader
+    eval_dl: DataLoader
+    steps_per_epoch: int
+    total_steps: int
+    plan: Dict[str, object]
+
+
+def setup(cfg: RunConfig) -> Run:
+    """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
+    # Cheap checks first, so a mistake is reported before any slow work.
+    checkpoint.check_output_dir(cfg)
+    data.check_files(cfg.data)
+    hub.check_model_path(cfg.model.name_or_path)
+    task = get_task(cfg.task)
+
+    accelerator = device.build_accelerator(cfg)
+    set_seed(cfg.seed)
+    # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
+    with accelerator.main_process_first():
+        splits = data.load_splits(cfg.data, cfg.seed)
+        model, tokenizer = task.load(cfg.model, splits.label_names)
+        train_ds = data.tokenize(splits.train, tokenizer, cfg.data)
+        eval_ds = data.tokenize(splits.eval, tokenizer, cfg.data)
+
+    t = cfg.train
+    per_step = t.batch_size * t.gradient_accumulation_steps * accelerator.num_processes
+    if len(train_ds) < per_step:
+        raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
+                        f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
+                        f"{accelerator.num_processes} processes = {per_step}); lower train.batch_size")
+    collate = data.collator(tokenizer)
+    # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
+    sampler = data.train_sampler(train_ds, cfg.data, t.batch_size, cfg.seed)
+    train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=sampler is None, sampler=sampler,
+                          drop_last=True, collate_fn=collate, num_workers=cfg.data.num_workers)
+    eval_dl = DataLoader(eval_ds, batch_size=t.eval_batch_size or 2 * t.batch_size, collate_fn=collate,
+                         num_workers=cfg.data.num_workers)
+    optimizer = build_optimizer(model, cfg.optim)
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+
+    steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
+    total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
+
+    plan = {
+        **device.describe(accelerator),
+        "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
+        "per_device_batch": t.batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "effective_batch": per_step,
+        "train_examples": len(train_ds),
+        "eval_examples": len(eval_ds),
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": total_steps,
+        "epochs": round(total_steps / steps_per_epoch, 3),
+        "notes": device.notes(cfg, accelerator),
+    }
+    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
+               steps_per_epoch, total_steps, plan)
+
+
+def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
+    """Train until ``total_steps`` optimizer steps are done, evaluating after every epoch."""
+    acc, model, cfg = run.accelerator, run.model, run.cfg
+    accum = cfg.train.gradient_accumulation_steps
+    micro_per_epoch = run.steps_per_epoch * accum
+    # The loss is summed on the device and read only at log intervals: reading it every step would
+    # force a host sync (and on XLA cut the graph) each step.
+    loss_sum = torch.zeros((), device=acc.device)
+    tokens = torch.zeros((), dtype=torch.long, device=acc.device)
+    micro_in_window = 0
+    window_start = time.perf_counter()
+    model.train()
+    while state.step < run.total_steps:
+        run.train_dl.set_epoch(state.epoch)
+        for micro, batch in enumerate(run.train_dl):
+            if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
+                break
+            with acc.accumulate(model):
+                loss = run.task.train_loss(model, batch)
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.train.max_grad_norm:
+                    acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+            loss_sum += loss.detach()
+            tokens += batch["attention_mask"].sum()
+            micro_in_window += 1
+            if not acc.sync_gradients:
+                continue
+            run.scheduler.step()
+            state.step += 1
+            if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
+                # Host sync: the mean loss over the window and over all processes.
+                state.last_loss = acc.reduce(loss_sum, reduction="mean").item() / micro_in_window
+                elapsed = time.perf_counter() - window_start
+                speed = micro_in_window * cfg.train.batch_size * acc.num_processes / elapsed
+                reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
+                              "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
+                reporter.show_loss(state.last_loss)
+                loss_sum.zero_()
+                micro_in_window, window_start = 0, time.perf_counter()
+            reporter.step()
+            if state.step >= run.total_steps:
+                break
+        state.epoch += 1
+        if micro >= micro_per_epoch - 1:  # a whole epoch ended: evaluate
+            _log_eval(run, reporter, state)
+    state.tokens += int(acc.reduce(tokens, reduction="sum").item())
+
+
+def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
+    results = evaluate(run)
+    state.evals.append({"step": state.step, **results})
+    reporter.log({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in results.items()}})
+
+
+def evaluate(run: Run) -> Dict[str, float]:
+    """Metrics over the whole eval set. ``gather_for_metrics`` drops the duplicates that even
+    sharding adds to the last batch, so every example counts once whatever the process count."""
+    acc, model = run.accelerator, run.model
+    model.eval()
+    parts = defaultdict(list)
+    with torch.no_grad():
+        for batch in run.eval_dl:
+            outputs = acc.gather_for_metrics(run.task.eval_outputs(model, batch))
+            for key, value in outputs.items():
+                parts[key].append(value)
+    model.train()
+    # One host transfer at the end rather than one per batch.
+    gathered = {key: torch.cat(values).cpu().numpy() for key, values in parts.items()}
+    return run.task.metrics(gathered)
+
+
+def format_plan(plan: Dict[str, object]) -> str:
+    lines = [f"  {key}: {value}" for key, value in plan.items() if key != "notes" and value is not None]
+    lines += [f"  note: {note}" for note in plan["notes"]]
+    return "plan:\n" + "\n".join(lines)
+
+
+def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
+    """The whole run; returns the summary (None for a dry run)."""
+    started = time.perf_counter()
+    run = setup(cfg)
+    acc = run.accelerator
+    out = Path(cfg.output_dir)
+    if acc.is_main_process:
+        print(format_plan(run.plan), flush=True)
+    if dry_run:
+        return None
+
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.clear_previous_outputs(out)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    acc.wait_for_everyone()
+    if cfg.report_to:
+        acc.init_trackers("framework", config={"recipe": to_yaml(cfg)})
+
+    state = TrainState()
+    reporter = Reporter(acc, out, run.total_steps)
+    fit_start = time.perf_counter()
+    fit(run, reporter, state)
+    fit_seconds = time.perf_counter() - fit_start
+    reporter.close()
+    if not state.evals or state.evals[-1]["step"] != state.step:
+        _log_eval(run, reporter, state)
+
+    checkpoint.save_model(acc, run.model, run.tokenizer, out / "model")
+    samples = state.step * run.plan["effective_batch"]
+    summary = {
+        "train": {
+            "steps": state.step,
+            "samples": samples,
+            "loss": state.last_loss,
+            "samples_per_second": samples / fit_seconds,
+            "tokens_per_second": state.tokens / fit_seconds,
+            "wall_seconds": fit_seconds,
+        },
+        "eval": {k: v for k, v in state.evals[-1].items() if k != "step"},
+        "backend": run.plan["backend"],
+        "device": run.plan["device"],
+        "num_processes": acc.num_processes,
+        "precision": acc.mixed_precision,
+        "memory": memory.measured(acc.unwrap_model(run.model), run.optimizer.optimizer,
+                                  device.peak_memory_bytes(acc)),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    if acc.is_main_process:
+        write_json(out / "summary.json", summary)
+        print(f"done: eval accuracy {summary['eval'].get('accuracy', float('nan')):.4f}, outputs in {out}")
+    acc.end_training()
+    return summary

@@ -1,0 +1,21 @@
+"""Entry point: ``accelerate launch recipes/run.py [--config RECIPE] [KEY=VALUE ...]``.
+
+``main()`` stays importable because the TPU launcher calls it in each process.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
+
+from framework.cli import main as cli_main  # noqa: E402
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent / "text_classification.yaml"
+
+
+def main(argv=None) -> int:
+    return cli_main(argv, default_recipe=DEFAULT_RECIPE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

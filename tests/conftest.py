@@ -1,0 +1,110 @@
+"""Shared fixtures: a tiny random BERT saved as a local model folder, easy synthetic data, and a CLI runner."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "recipes" / "run.py"
+REFERENCES = Path(__file__).resolve().parent / "references"
+
+POSITIVE = ["good", "great", "superb", "fine", "lovely"]
+NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
+NEUTRAL = ["the", "movie", "was", "a", "plot", "actor", "scene", "film", "story", "and", "with", "very",
+           "quite", "this", "that", "it", "had", "some", "music", "ending"]
+
+
+def synthetic_rows(n: int, seed: int) -> List[dict]:
+    """An easy sentiment task: one positive or negative word among neutral filler."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(4, 14))]
+        words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_csv(path: Path, rows: List[dict]) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer BERT from a config (random init, seeded), with a WordPiece tokenizer over the task's words."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POSITIVE + NEGATIVE + NEUTRAL
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                        # No dropout: runs with different process counts must be comparable exactly.
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def easy_data(tmp_path_factory) -> Path:
+    return write_csv(tmp_path_factory.mktemp("data") / "easy.csv", synthetic_rows(400, seed=1))
+
+
+@pytest.fixture(scope="session")
+def hf_home(tmp_path_factory) -> Path:
+    """One datasets/hub cache for the whole session, away from the user's own."""
+    return tmp_path_factory.mktemp("hf_home")
+
+
+@pytest.fixture
+def cli(hf_home):
+    """Run the real CLI in a subprocess: ``cli(args, launch=None)``; ``launch`` is an accelerate config
+    file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python."""
+
+    def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600):
+        env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("ACCELERATE_CONFIG_FILE", None)
+        if launch:
+            cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                   str(ROOT / "accelerate_configs" / launch), str(RUN), *args]
+        else:
+            cmd = [sys.executable, str(RUN), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return proc
+
+    return run
+
+
+def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """Overrides that train the tiny model on the easy data."""
+    return [f"model.name_or_path={model}", f"data.train_file={data}", "data.label_column=label",
+            "data.labels=null", "data.max_length=32", f"output_dir={out}", "optim.lr=1e-3",
+            "optim.warmup_ratio=0.0", "train.batch_size=8", "train.log_every=1", *extra]
+
+
+def read_metrics(out: Path) -> List[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> List[float]:
+    return [r["loss"] for r in read_metrics(out) if "loss" in r]

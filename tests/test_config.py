@@ -1,0 +1,134 @@
+"""Recipe loading, extends, overrides, and every validation message."""
+
+from pathlib import Path
+
+import pytest
+
+from framework.config import RunConfig, load_config, to_yaml
+from framework.errors import UserError
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def problems(path, overrides=()):
+    with pytest.raises(UserError) as err:
+        load_config(path, list(overrides))
+    return str(err.value)
+
+
+@pytest.fixture
+def base(tmp_path):
+    return write(tmp_path / "base.yaml", "data:\n  train_file: a.csv\ntrain:\n  batch_size: 4\n  epochs: 2\n")
+
+
+def test_loads_typed_values(base):
+    cfg = load_config(base, [])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.train.batch_size == 4 and cfg.train.epochs == 2.0 and isinstance(cfg.train.epochs, float)
+    assert cfg.data.train_file == "a.csv"
+    assert cfg.optim.lr == 5e-5  # schema default for a key the recipe leaves out
+
+
+def test_extends_merges_parent_first(tmp_path, base):
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\ntrain:\n  batch_size: 16\n")
+    cfg = load_config(child, [])
+    assert cfg.train.batch_size == 16 and cfg.train.epochs == 2.0 and cfg.data.train_file == "a.csv"
+
+
+def test_extends_list_and_chain(tmp_path, base):
+    write(tmp_path / "mid.yaml", "extends: base.yaml\noptim:\n  lr: 0.001\n")
+    write(tmp_path / "other.yaml", "seed: 7\n")
+    child = write(tmp_path / "child.yaml", "extends: [mid.yaml, other.yaml]\n")
+    cfg = load_config(child, [])
+    assert (cfg.optim.lr, cfg.seed, cfg.train.batch_size) == (0.001, 7, 4)
+
+
+def test_overrides_win_and_parse_types(base):
+    cfg = load_config(base, ["train.batch_size=8", "optim.lr=1e-4", "data.labels=[x,y]", "train.max_steps=null"])
+    assert cfg.train.batch_size == 8 and cfg.optim.lr == 1e-4 and cfg.data.labels == ["x", "y"]
+    assert cfg.train.max_steps is None
+
+
+def test_interpolation_resolves(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "seed: 3\noutput_dir: runs/seed_${seed}\ndata:\n  train_file: a.csv\n")
+    assert load_config(recipe, []).output_dir == "runs/seed_3"
+
+
+def test_print_config_round_trips(base, tmp_path):
+    cfg = load_config(base, ["optim.lr=0.002"])
+    again = load_config(write(tmp_path / "printed.yaml", to_yaml(cfg)), [])
+    assert again == cfg
+
+
+def test_unknown_key_suggests_closest(base):
+    assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in problems(base, ["train.batchsize=3"])
+
+
+def test_unknown_key_in_wrong_section_names_the_right_one(base):
+    assert "unknown key 'lr'; did you mean 'optim.lr'?" in problems(base, ["lr=0.1"])
+
+
+def test_wrong_type_names_key_value_and_allowed(base):
+    message = problems(base, ["train.batch_size=abc"])
+    assert "train.batch_size: 'abc' is not allowed; expected an integer" in message
+
+
+def test_choice_lists_allowed_values(base):
+    assert "precision: 'fp64' is not allowed; expected one of no, fp16, bf16, fp8" in problems(base, ["precision=fp64"])
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optim.lr=0", "optim.lr: 0.0 is out of range; it must be > 0"),
+    ("optim.lr=-1e-3", "optim.lr: -0.001 is out of range; it must be > 0"),
+    ("train.batch_size=0", "train.batch_size: 0 is out of range; it must be > 0"),
+    ("train.batch_size=-4", "train.batch_size: -4 is out of range; it must be > 0"),
+    ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps: 0 is out of range; it must be > 0"),
+    ("data.eval_fraction=1.5", "data.eval_fraction: 1.5 is out of range; it must be > 0.0 and < 1.0"),
+])
+def test_out_of_range(base, override, expected):
+    assert expected in problems(base, [override])
+
+
+def test_all_problems_reported_together(base):
+    message = problems(base, ["optim.lr=-1", "train.batchsize=2", "train.epochs=x", "precision=int4"])
+    assert "4 problem(s)" in message
+    for part in ("optim.lr", "train.batchsize", "train.epochs", "precision"):
+        assert part in message
+
+
+def test_missing_recipe_file(tmp_path):
+    assert "recipe file" in problems(tmp_path / "nope.yaml") and "does not exist" in problems(tmp_path / "nope.yaml")
+
+
+def test_missing_parent(tmp_path):
+    child = write(tmp_path / "child.yaml", "extends: gone.yaml\n")
+    assert "extends 'gone.yaml'" in problems(child)
+
+
+def test_extends_cycle(tmp_path):
+    write(tmp_path / "a.yaml", "extends: b.yaml\n")
+    write(tmp_path / "b.yaml", "extends: a.yaml\n")
+    assert "cycle" in problems(tmp_path / "a.yaml")
+
+
+def test_invalid_yaml(tmp_path):
+    assert "not valid YAML" in problems(write(tmp_path / "bad.yaml", "train: [unclosed\n"))
+
+
+def test_override_without_equals(base):
+    assert "must look like KEY=VALUE" in problems(base, ["train.batch_size"])
+
+
+def test_train_file_required(tmp_path):
+    assert "data.train_file is required" in problems(write(tmp_path / "r.yaml", "seed: 1\n"))
+
+
+def test_labels_need_two_classes(base):
+    assert "data.labels" in problems(base, ["data.labels=[only]"])
+
+
+def test_section_must_be_mapping(base):
+    assert "train must be a mapping" in problems(base, ["train=3"])

@@ -1,0 +1,137 @@
+"""Multi-process training on CPU (gloo) equals one process; eval counts every example once;
+launch configs parse; every recipe/launch mismatch is refused with its message."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_metrics, tiny_args
+from framework.cli import main
+
+CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def final_eval(out: Path) -> dict:
+    return [r for r in read_metrics(out) if "eval_accuracy" in r][-1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, tiny_model, easy_data, tmp_path):
+    """Equal weights after 6 steps mean the two processes together saw exactly the examples of the
+    single process's batch of 8, split into disjoint halves."""
+    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"]
+    two = tmp_path / "two_procs"
+    proc = cli(tiny_args(tiny_model, easy_data, two, "train.batch_size=4", "backend=cpu",
+                         "distributed.num_processes=2", *common), launch="cpu_ddp.yaml")
+    assert "num_processes: 2" in proc.stdout and "strategy: ddp" in proc.stdout
+    big = tmp_path / "one_proc_batch8"
+    cli(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common))
+    accum = tmp_path / "one_proc_accum2"
+    cli(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2", *common))
+
+    assert_same_weights(two, big)
+    assert_same_weights(two, accum)
+    # The logged losses are the same numbers too: the mean over all examples of each step.
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(two) if "loss" in r]),
+                               torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]))
+
+    # Eval: 40 examples over 2 processes x 3 per batch (not a multiple of 6): each counted exactly once.
+    two_eval, one_eval = final_eval(two), final_eval(big)
+    assert two_eval["eval_examples"] == one_eval["eval_examples"] == 40
+    assert two_eval["eval_accuracy"] == one_eval["eval_accuracy"]
+    assert two_eval["eval_f1"] == one_eval["eval_f1"]
+    assert two_eval["eval_loss"] == pytest.approx(one_eval["eval_loss"], rel=1e-5)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["train"]["samples"] == 6 * 8
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_launch_config_parses_with_accelerate(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.num_processes >= 1 and loaded.distributed_type is not None
+
+
+def test_every_target_has_its_config():
+    names = {p.name for p in CONFIGS}
+    assert names >= {"cpu.yaml", "cpu_ddp.yaml", "gpu.yaml", "multi_gpu.yaml", "multi_node.yaml", "fsdp.yaml",
+                     "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "tpu.yaml"}
+    readme = (ROOT / "README.md").read_text()
+    for name in names:
+        assert f"accelerate_configs/{name}" in readme, f"README does not show how to use {name}"
+
+
+def error_of(capsys, args):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def args(tiny_model, easy_data, tmp_path):
+    return lambda *extra: tiny_args(tiny_model, easy_data, tmp_path / "out", *extra)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("distributed.strategy=fsdp", "distributed.strategy: fsdp needs CUDA GPUs"),
+    ("distributed.strategy=deepspeed", "distributed.strategy: deepspeed needs CUDA GPUs"),
+    ("backend=gpu", "backend: gpu, but torch sees no CUDA device"),
+    ("precision=fp16", "precision: fp16 needs a GPU"),
+    ("precision=fp8", "precision: fp8 needs an fp8-capable GPU"),
+    ("distributed.num_processes=2", "the recipe expects 2 processes but the launch started 1"),
+])
+def test_mismatch_is_refused(capsys, args, override, message):
+    assert message in error_of(capsys, args(override))
+
+
+def test_xla_without_torch_xla_names_the_extra(capsys, args):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("torch_xla is installed in this environment")
+    assert "pip install -e '.[xla]'" in error_of(capsys, args("backend=xla"))
+
+
+def test_fp16_on_xla_is_refused(capsys, args, monkeypatch):
+    from framework import device
+
+    monkeypatch.setattr(device, "has_xla", lambda: True)
+    assert "precision: fp16 is not supported on XLA" in error_of(capsys, args("backend=xla", "precision=fp16"))
+
+
+def test_launch_with_fsdp_but_recipe_ddp(capsys, args, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert "the launch config sets up fsdp" in error_of(capsys, args("distributed.strategy=ddp"))
+
+
+def test_multi_cpu_config_that_starts_one_process(cli, args, tmp_path):
+    """distributed_type MULTI_CPU with 2 processes starts a single process under accelerate launch."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 1\n"
+                      "num_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n")
+    proc = cli(args(), launch=str(config), check=False)
+    assert "only one was started" in proc.stderr and "cpu_ddp.yaml" in proc.stderr
+
+
+def test_plan_says_when_auto_falls_back_to_cpu(capsys, args):
+    assert main(args("--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "note: backend auto: no GPU or XLA device found, training on the CPU" in out
+    assert "effective_batch: 8" in out and "steps_per_epoch: 45" in out
