@@ -9,7 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import pytest
 
@@ -78,13 +78,14 @@ def cli(hf_home):
     """Run the real CLI in a subprocess: ``cli(args, launch=None)``; ``launch`` is an accelerate config
     file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python."""
 
-    def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600):
+    def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
+            launch_args: Sequence[str] = ()):
         env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1"}
         env.pop("ACCELERATE_CONFIG_FILE", None)
         if launch:
             cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / launch), str(RUN), *args]
+                   str(ROOT / "accelerate_configs" / launch), *launch_args, str(RUN), *args]
         else:
             cmd = [sys.executable, str(RUN), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

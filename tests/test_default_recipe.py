@@ -1,0 +1,29 @@
+"""The real default recipe (pretrained MiniLM, Rotten Tomatoes) on a small sample learns clearly above
+the majority class."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from framework.config import load_config
+from framework.data import LABELS, load_splits
+
+RECIPE = ROOT / "recipes" / "text_classification.yaml"
+SAMPLE = ["data.max_train_samples=1024", "data.max_eval_samples=512", "train.epochs=2", "optim.lr=1e-4"]
+
+
+@pytest.mark.slow
+def test_default_recipe_on_a_sample_beats_the_majority_class(cli, tmp_path, monkeypatch):
+    if not (ROOT / "assets" / "all-MiniLM-L6-v2").is_dir():
+        pytest.fail("assets/ is missing: run `make install` (make test does it)")
+    out = tmp_path / "default"
+    cli([*SAMPLE, f"output_dir={out}"], launch="cpu.yaml")
+    accuracy = json.loads((out / "summary.json").read_text())["eval"]["accuracy"]
+
+    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+    cfg = load_config(RECIPE, SAMPLE)
+    labels = np.array(load_splits(cfg.data, cfg.seed).eval[LABELS])
+    majority = np.bincount(labels).max() / len(labels)
+    assert accuracy >= majority + 0.1, (accuracy, majority)
