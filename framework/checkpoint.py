@@ -7,6 +7,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from framework import device
 from framework.config import RunConfig
 from framework.errors import UserError
 
@@ -42,7 +43,7 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path) -> None:
     Every process takes part (sharded or XLA models gather their weights collectively); only the main
     process writes.
     """
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = device.state_dict_for_save(accelerator, model)
     accelerator.unwrap_model(model).save_pretrained(
         path, is_main_process=accelerator.is_main_process, state_dict=state_dict, save_function=accelerator.save
     )

@@ -61,6 +61,11 @@ class DataConfig:
     """Train on at most this many rows (taken after the eval split)."""
     max_eval_samples: Optional[int] = _bounded(None, gt=0)
     """Evaluate on at most this many rows."""
+    padding: Literal["auto", "dynamic", "max_length", "buckets"] = "auto"
+    """Batch shapes: pad to the batch's longest text (dynamic), always to max_length, or to the smallest of
+    ``pad_buckets`` that fits. auto: buckets on XLA (every new shape is a new compiled graph), else dynamic."""
+    pad_buckets: Optional[List[int]] = None
+    """Sequence lengths to pad to with ``padding: buckets``; default max_length/4, max_length/2, max_length."""
     group_by_length: bool = False
     """Batch examples of similar length together (shuffled in mega-batches): less padding, faster steps."""
     num_workers: int = _bounded(0, ge=0)
@@ -325,6 +330,9 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
         problems.append("data.train_file is required (or data.dataset for a Hub dataset)")
     if d.train_file and d.dataset:
         problems.append("set data.train_file or data.dataset, not both")
+    if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 or b > d.max_length for b in d.pad_buckets)):
+        problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of lengths in 1..data.max_length "
+                        f"({d.max_length})")
     if d.labels is not None and len(set(d.labels)) < 2:
         problems.append(f"data.labels: {d.labels} must name at least two distinct labels")
     return problems

@@ -178,9 +178,44 @@ def _tokenizer_identity(tokenizer) -> str:
     return json.dumps(definition, sort_keys=True)
 
 
-def collator(tokenizer):
-    """Dynamic padding: each batch is padded to its own longest sequence."""
-    return DataCollatorWithPadding(tokenizer)
+def pad_lengths(cfg: DataConfig, static_shapes: bool) -> Optional[List[int]]:
+    """The sequence lengths batches are padded to, or None for dynamic padding."""
+    padding = cfg.padding if cfg.padding != "auto" else ("buckets" if static_shapes else "dynamic")
+    if padding == "dynamic":
+        return None
+    if padding == "max_length":
+        return [cfg.max_length]
+    buckets = cfg.pad_buckets or [max(8, cfg.max_length // 4), max(8, cfg.max_length // 2), cfg.max_length]
+    return sorted(set(buckets) | {cfg.max_length})
+
+
+class StaticCollator:
+    """Pads each batch to the smallest bucket length that fits, so only a few shapes ever exist.
+
+    With ``rows`` set (evaluation), a short last batch is filled up to ``rows`` with copies of its first
+    example, and a ``valid`` column marks the real ones so the metrics can drop the filler.
+    """
+
+    def __init__(self, tokenizer, buckets: List[int], rows: Optional[int] = None):
+        self.tokenizer, self.buckets, self.rows = tokenizer, buckets, rows
+
+    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
+        real = len(features)
+        if self.rows is not None:
+            features = features + [features[0]] * (self.rows - real)
+        longest = max(len(f["input_ids"]) for f in features)
+        length = next(b for b in self.buckets if b >= longest)
+        batch = self.tokenizer.pad(features, padding="max_length", max_length=length, return_tensors="pt")
+        if self.rows is not None:
+            batch["valid"] = torch.arange(self.rows) < real
+        return batch
+
+
+def collator(tokenizer, buckets: Optional[List[int]], rows: Optional[int] = None):
+    """Dynamic padding (each batch to its own longest sequence) without buckets, else static shapes."""
+    if buckets is None:
+        return DataCollatorWithPadding(tokenizer)
+    return StaticCollator(tokenizer, buckets, rows)
 
 
 class LengthGroupedSampler(Sampler):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from accelerate import Accelerator
@@ -181,6 +181,92 @@ def describe(accelerator: Accelerator) -> Dict[str, object]:
         "strategy": strategy_name(accelerator),
         "precision": accelerator.mixed_precision,
     }
+
+
+def needs_static_shapes(accelerator: Accelerator) -> bool:
+    """XLA compiles one graph per input shape: batches there must come in a few fixed shapes."""
+    return accelerator.distributed_type == DistributedType.XLA
+
+
+def _on_xla(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.XLA
+
+
+def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero placed on the device as data. Created by transfer rather than by a traced op, which on XLA
+    would join the next step's graph and make it a new graph to compile."""
+    return torch.zeros((), dtype=dtype).to(accelerator.device)
+
+
+def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) -> float:
+    """Host sync: the value of a device scalar, reduced over processes. On XLA the pending step graph runs
+    first (the same graph as every other step), so the read only transfers data and compiles nothing."""
+    if _on_xla(accelerator):
+        import torch_xla
+
+        torch_xla.sync()
+    if accelerator.num_processes > 1:
+        tensor = accelerator.reduce(tensor, reduction=reduction)
+    return tensor.item()
+
+
+def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
+    """Device tensors as NumPy arrays after a single sync (on XLA, joining them on the device would
+    compile yet another graph)."""
+    if _on_xla(accelerator):
+        import torch_xla
+
+        torch_xla.sync()
+    return [t.cpu().numpy() for t in tensors]
+
+
+def xla_stats(accelerator: Accelerator) -> Optional[Dict[str, float]]:
+    """Compilation and execution counters from torch_xla.debug.metrics; None off XLA."""
+    if not _on_xla(accelerator):
+        return None
+    import torch_xla.debug.metrics as met
+
+    def metric(name: str) -> tuple:
+        data = met.metric_data(name)
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+    compiles, compile_seconds = metric("CompileTime")
+    executions, execute_seconds = metric("ExecuteTime")
+    return {"compiles": compiles, "compile_seconds": compile_seconds, "executions": executions,
+            "execute_seconds": execute_seconds, "transfers_to_host": metric("TransferFromDeviceTime")[0]}
+
+
+class CompileWatch:
+    """Warns once when XLA keeps compiling after the first steps: each compile stalls the run for seconds."""
+
+    def __init__(self, accelerator: Accelerator, expected: int):
+        self.accelerator, self.expected = accelerator, expected
+        self.last: Optional[int] = None
+        self.warning: Optional[str] = None
+
+    def check(self, step: int) -> Optional[str]:
+        """Call at log points; returns the warning the first time it applies."""
+        stats = xla_stats(self.accelerator)
+        if stats is None or self.warning:
+            return None
+        grew = self.last is not None and stats["compiles"] > self.last
+        self.last = stats["compiles"]
+        if grew and stats["compiles"] > self.expected:
+            self.warning = (f"XLA has compiled {stats['compiles']} graphs by step {step} and is still compiling "
+                            f"(about {self.expected} expected): likely a new input shape each time (dynamic padding, "
+                            "a varying batch size; see data.padding and data.pad_buckets) or a host sync inside "
+                            "the step (.item(), printing a tensor, a Python branch on a tensor value)")
+            return self.warning
+        return None
+
+
+def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The full state dict, on the CPU. Every process must call it (FSDP and DeepSpeed gather collectively);
+    XLA tensors must come to the host before safetensors can write them."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.distributed_type == DistributedType.XLA:
+        state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
+    return state_dict
 
 
 def peak_memory_bytes(accelerator: Accelerator) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -48,6 +49,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     plan: Dict[str, object]
+    compile_watch: device.CompileWatch
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -73,13 +75,16 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
                         f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
                         f"{accelerator.num_processes} processes = {per_step}); lower train.batch_size")
-    collate = data.collator(tokenizer)
+    buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator))
     # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
     sampler = data.train_sampler(train_ds, cfg.data, t.batch_size, cfg.seed)
     train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=sampler is None, sampler=sampler,
-                          drop_last=True, collate_fn=collate, num_workers=cfg.data.num_workers)
-    eval_dl = DataLoader(eval_ds, batch_size=t.eval_batch_size or 2 * t.batch_size, collate_fn=collate,
-                         num_workers=cfg.data.num_workers)
+                          drop_last=True, collate_fn=data.collator(tokenizer, buckets),
+                          num_workers=cfg.data.num_workers)
+    # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
+    eval_rows = t.eval_batch_size or 2 * t.batch_size
+    eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
+    eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers)
     optimizer = build_optimizer(model, cfg.optim)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
 
@@ -95,13 +100,16 @@ def setup(cfg: RunConfig) -> Run:
         "effective_batch": per_step,
         "train_examples": len(train_ds),
         "eval_examples": len(eval_ds),
+        "padding": f"static, lengths {buckets}" if buckets else "dynamic",
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "epochs": round(total_steps / steps_per_epoch, 3),
         "notes": device.notes(cfg, accelerator),
     }
+    # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
+    expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
-               steps_per_epoch, total_steps, plan)
+               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs))
 
 
 def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
@@ -111,8 +119,8 @@ def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
     micro_per_epoch = run.steps_per_epoch * accum
     # The loss is summed on the device and read only at log intervals: reading it every step would
     # force a host sync (and on XLA cut the graph) each step.
-    loss_sum = torch.zeros((), device=acc.device)
-    tokens = torch.zeros((), dtype=torch.long, device=acc.device)
+    loss_sum = device.zero_scalar(acc)
+    tokens = device.zero_scalar(acc, torch.long)
     micro_in_window = 0
     window_start = time.perf_counter()
     model.train()
@@ -137,13 +145,16 @@ def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
             state.step += 1
             if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
                 # Host sync: the mean loss over the window and over all processes.
-                state.last_loss = acc.reduce(loss_sum, reduction="mean").item() / micro_in_window
+                state.last_loss = device.read_scalar(acc, loss_sum, "mean") / micro_in_window
                 elapsed = time.perf_counter() - window_start
                 speed = micro_in_window * cfg.train.batch_size * acc.num_processes / elapsed
                 reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
                               "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
                 reporter.show_loss(state.last_loss)
-                loss_sum.zero_()
+                warning = run.compile_watch.check(state.step)
+                if warning:
+                    reporter.print(f"warning: {warning}")
+                loss_sum = device.zero_scalar(acc)
                 micro_in_window, window_start = 0, time.perf_counter()
             reporter.step()
             if state.step >= run.total_steps:
@@ -151,7 +162,7 @@ def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
         state.epoch += 1
         if micro >= micro_per_epoch - 1:  # a whole epoch ended: evaluate
             _log_eval(run, reporter, state)
-    state.tokens += int(acc.reduce(tokens, reduction="sum").item())
+    state.tokens += int(device.read_scalar(acc, tokens, "sum"))
 
 
 def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
@@ -161,19 +172,26 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
 
 
 def evaluate(run: Run) -> Dict[str, float]:
-    """Metrics over the whole eval set. ``gather_for_metrics`` drops the duplicates that even
-    sharding adds to the last batch, so every example counts once whatever the process count."""
+    """Metrics over the whole eval set, each example counted once whatever the process count:
+    ``gather_for_metrics`` drops the duplicates that even sharding adds to the last batch, and the
+    ``valid`` mask drops the filler rows that static shapes add to it."""
     acc, model = run.accelerator, run.model
     model.eval()
     parts = defaultdict(list)
     with torch.no_grad():
         for batch in run.eval_dl:
-            outputs = acc.gather_for_metrics(run.task.eval_outputs(model, batch))
-            for key, value in outputs.items():
+            valid = batch.pop("valid", None)
+            outputs = run.task.eval_outputs(model, batch)
+            if valid is not None:
+                outputs["valid"] = valid
+            for key, value in acc.gather_for_metrics(outputs).items():
                 parts[key].append(value)
     model.train()
-    # One host transfer at the end rather than one per batch.
-    gathered = {key: torch.cat(values).cpu().numpy() for key, values in parts.items()}
+    # One sync and host transfers at the end, rather than one per batch.
+    gathered = {key: np.concatenate(device.to_host(acc, values)) for key, values in parts.items()}
+    if "valid" in gathered:
+        keep = gathered.pop("valid").astype(bool)
+        gathered = {key: value[keep] for key, value in gathered.items()}
     return run.task.metrics(gathered)
 
 
@@ -231,6 +249,9 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
                                   device.peak_memory_bytes(acc)),
         "wall_seconds": time.perf_counter() - started,
     }
+    xla = device.xla_stats(acc)
+    if xla is not None:
+        summary["xla"] = {**xla, "warning": run.compile_watch.warning}
     if acc.is_main_process:
         write_json(out / "summary.json", summary)
         print(f"done: eval accuracy {summary['eval'].get('accuracy', float('nan')):.4f}, outputs in {out}")

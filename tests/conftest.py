@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "recipes" / "run.py"
 REFERENCES = Path(__file__).resolve().parent / "references"
+TINY_RECIPE = Path(__file__).resolve().parent / "tiny.yaml"
 
 POSITIVE = ["good", "great", "superb", "fine", "lovely"]
 NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
@@ -97,10 +98,9 @@ def cli(hf_home):
 
 
 def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
-    """Overrides that train the tiny model on the easy data."""
-    return [f"model.name_or_path={model}", f"data.train_file={data}", "data.label_column=label",
-            "data.labels=null", "data.max_length=32", f"output_dir={out}", "optim.lr=1e-3",
-            "optim.warmup_ratio=0.0", "train.batch_size=8", "train.log_every=1", *extra]
+    """Arguments that train the tiny model on the easy data with the tests' own recipe."""
+    return ["--config", str(TINY_RECIPE), f"model.name_or_path={model}", f"data.train_file={data}",
+            f"output_dir={out}", *extra]
 
 
 def read_metrics(out: Path) -> List[dict]:

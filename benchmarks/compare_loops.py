@@ -1,0 +1,279 @@
+"""Compare this framework's training loop with a minimal accelerate loop and with transformers.Trainer.
+
+    .venv/bin/python benchmarks/compare_loops.py [--repeats 3] [--case default|tiny|all] [--device cpu|gpu]
+                                                 [--json results.json]
+
+Three loops train the same model on the same examples, each in its own process:
+
+- raw: ``benchmarks/raw_loop.py``, a hand-written accelerate loop (forward, backward, step, zero_grad);
+- framework: the real CLI, ``python recipes/run.py --config recipes/text_classification.yaml KEY=VALUE...``;
+- Trainer: ``benchmarks/trainer_loop.py``, ``transformers.Trainer`` with equivalent TrainingArguments.
+
+All three get the same recipe and overrides. The raw and Trainer scripts resolve them with the framework's
+config loader and read and tokenize the data with the framework's ``load_splits`` and ``tokenize``, so the
+train rows, the truncation to ``data.max_length`` and the dynamic padding (DataCollatorWithPadding) are the
+same. All three shuffle with accelerate's seedable sampler seeded by the recipe seed, so they see the same
+batches in the same order (with drop_last): same per-step shapes. The overrides make the work identical:
+``data.group_by_length=false`` (the others do not group), ``train.max_grad_norm=null`` (no clipping
+anywhere), ``train.log_every`` larger than the run (the framework reads the loss once, at the last step),
+fp32, AdamW with the recipe's lr and weight decay (not on biases and LayerNorm), linear schedule with the
+recipe's warmup ratio. A run is at most one epoch, so the framework evaluates once, at the end. After
+training every loop does the same final work: one pass over the eval split and save_pretrained.
+
+Measurement. Each child is started with ``benchmarks/probe`` on PYTHONPATH, whose ``sitecustomize`` (see
+its docstring) hooks every optimizer step from outside the scripts, identically in the three loops, and
+records wall-clock times relative to ``BENCH_T0``, the parent's ``time.time()`` at launch:
+
+- time to first step: launch to the end of optimizer step 1 (interpreter, imports, config, data, model);
+- steady samples/s: ``(steps - skip) * batch / (t[steps] - t[skip])``, the window from the end of step
+  ``skip`` to the end of the last step, which leaves out the first steps and the final eval and save;
+- total wall: launch to process exit, final eval and save included;
+- peak memory: on the CPU the child's peak RSS from ``os.wait4`` (``RUSAGE_CHILDREN`` would be the
+  largest of all children so far); on a GPU the CUDA allocator's peak in the child;
+- first and last loss: the losses of step 1 and of the last step, read at exit (no extra host sync).
+
+Runs alternate (raw, framework, Trainer, raw, ...) so machine drift hits the three alike, after one
+unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache; the tables
+show medians. Step-1 losses agree exactly when the model has no dropout (the tiny case); with dropout
+(MiniLM) the Trainer's differs a little because it reseeds the RNG before training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+RECIPE = ROOT / "recipes" / "text_classification.yaml"
+LOOPS = {
+    "raw": [str(HERE / "raw_loop.py")],
+    "framework": [str(ROOT / "recipes" / "run.py")],
+    "Trainer": [str(HERE / "trainer_loop.py")],
+}
+MIB = 2 ** 20
+
+
+@dataclass
+class Case:
+    name: str
+    title: str
+    overrides: List[str]  # recipe overrides besides the common ones
+    steps: int
+    skip: int  # steps left out of the steady-state window
+    batch: int = 32
+    max_length: int = 64
+
+
+def make_cases(device: str, work: Path) -> Dict[str, Case]:
+    # On a GPU a MiniLM step takes milliseconds: more steps give a steady window of seconds. Both stay
+    # within one epoch (360 steps), so the framework evaluates once.
+    default_steps, tiny_steps = (40, 300) if device == "cpu" else (300, 300)
+    return {
+        "default": Case("default", "all-MiniLM-L6-v2 (pretrained) on Rotten Tomatoes", [], default_steps, 5),
+        "tiny": Case("tiny", "2-layer BERT, hidden 32, random init, no dropout, on Rotten Tomatoes",
+                     [f"model.name_or_path={work / 'tiny-bert'}"], tiny_steps, 20),
+    }
+
+
+def recipe_overrides(case: Case, device: str, output_dir: Path, steps: int) -> List[str]:
+    return [
+        *case.overrides,
+        f"backend={device}",
+        f"output_dir={output_dir}",
+        "data.group_by_length=false",
+        f"data.max_length={case.max_length}",
+        f"train.batch_size={case.batch}",
+        f"train.max_steps={steps}",
+        "train.max_grad_norm=null",
+        "train.log_every=1000000000",
+    ]
+
+
+def build_tiny_model(folder: Path, vocab_size: int = 2000) -> None:
+    """A tiny random BERT with a WordPiece vocabulary of the corpus's most frequent words (as in tests/conftest.py)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+    with bz2.open(ROOT / "assets" / "rotten_tomatoes.csv.bz2", "rt", newline="") as f:
+        counts = Counter(word for row in csv.DictReader(f) for word in re.findall(r"\w+|[^\w\s]", row["text"].lower()))
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = specials + [word for word, _ in counts.most_common(vocab_size - len(specials))]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def run_once(loop: str, case: Case, device: str, work: Path, label: str, steps: int, probe: bool) -> Dict:
+    """One training process; returns its measurements (nothing for an unprobed warm-up)."""
+    out = work / "runs" / label
+    log, probe_file = work / f"{label}.log", work / f"{label}.probe.json"
+    cmd = [sys.executable, *LOOPS[loop], "--config", str(RECIPE), *recipe_overrides(case, device, out, steps)]
+    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if device == "gpu":
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Trainer started without a launcher would use every GPU
+    if probe:
+        env.update(PYTHONPATH=os.pathsep.join([str(HERE / "probe"), *filter(None, [env.get("PYTHONPATH")])]),
+                   BENCH_PROBE_OUT=str(probe_file), BENCH_STEPS=str(steps), BENCH_SKIP_STEPS=str(case.skip))
+    with log.open("w") as f:
+        env["BENCH_T0"] = repr(time.time())
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+        wall = time.time() - float(env["BENCH_T0"])
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"{label} failed (exit {proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-4000:]}")
+    shutil.rmtree(out)  # the saved model: not needed, and 90 MB per MiniLM run
+    if not probe:
+        return {}
+    p = json.loads(probe_file.read_text())
+    if p["steps"] != steps:
+        sys.exit(f"{label}: {p['steps']} optimizer steps instead of {steps}; the loops did not do the same work")
+    peak = p["cuda_peak_bytes"] if device == "gpu" else usage.ru_maxrss * 1024  # Linux reports KiB
+    return {
+        "loop": loop,
+        "time_to_first_step_s": p["step1"],
+        "steady_samples_per_s": (steps - case.skip) * case.batch / (p["window_end"] - p["window_start"]),
+        "total_wall_s": wall,
+        "peak_memory_mib": peak / MIB,
+        "first_loss": p["first_loss"],
+        "last_loss": p["last_loss"],
+    }
+
+
+METRICS = ["time_to_first_step_s", "steady_samples_per_s", "total_wall_s", "peak_memory_mib", "first_loss",
+           "last_loss"]
+
+
+def summarize(runs: List[Dict]) -> Dict:
+    medians = {loop: {m: statistics.median(r[m] for r in runs if r["loop"] == loop) for m in METRICS}
+               for loop in LOOPS}
+    fw, raw, tr = medians["framework"], medians["raw"], medians["Trainer"]
+    ratios = {
+        "framework/raw": {"steady_samples_per_s": fw["steady_samples_per_s"] / raw["steady_samples_per_s"],
+                          "peak_memory": fw["peak_memory_mib"] / raw["peak_memory_mib"]},
+        "framework/Trainer": {"steady_samples_per_s": fw["steady_samples_per_s"] / tr["steady_samples_per_s"],
+                              "peak_memory": fw["peak_memory_mib"] / tr["peak_memory_mib"]},
+    }
+    targets = {
+        "steady samples/s >= 0.99 x raw": ratios["framework/raw"]["steady_samples_per_s"] >= 0.99,
+        "peak memory <= 1.02 x raw": ratios["framework/raw"]["peak_memory"] <= 1.02,
+        "steady samples/s > Trainer": fw["steady_samples_per_s"] > tr["steady_samples_per_s"],
+        "time to first step < Trainer": fw["time_to_first_step_s"] < tr["time_to_first_step_s"],
+    }
+    return {"medians": medians, "ratios": ratios, "targets": targets}
+
+
+def markdown(case: Case, result: Dict, repeats: int) -> str:
+    med, ratios = result["summary"]["medians"], result["summary"]["ratios"]
+    lines = [f"## {case.name}: {case.title}",
+             "",
+             f"{case.steps} steps x batch {case.batch}, max_length {case.max_length}, steady window = steps "
+             f"{case.skip + 1}-{case.steps}; medians of {repeats} run(s) per loop",
+             "",
+             "| loop | time to first step (s) | steady samples/s | total wall (s) | peak memory (MiB) | first loss "
+             "| last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for loop, m in med.items():
+        lines.append(f"| {loop} | {m['time_to_first_step_s']:.2f} | {m['steady_samples_per_s']:.1f} | "
+                     f"{m['total_wall_s']:.1f} | {m['peak_memory_mib']:.0f} | {m['first_loss']:.4f} | "
+                     f"{m['last_loss']:.4f} |")
+    lines += ["", "| ratio | steady samples/s | peak memory |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['peak_memory']:.3f} |" for name, r in ratios.items()]
+    lines += ["", "Targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}"
+                                        for name, ok in result["summary"]["targets"].items()),
+              "", "Steady samples/s per run: " + "; ".join(
+                  f"{loop} " + ", ".join(f"{r['steady_samples_per_s']:.1f}" for r in result["runs"] if r["loop"] == loop)
+                  for loop in LOOPS)]
+    return "\n".join(lines)
+
+
+def machine(device: str) -> Dict[str, object]:
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    info = {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count(), "python": platform.python_version(),
+            **{name: version(name) for name in ("torch", "transformers", "accelerate", "datasets")}}
+    if device == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device gpu, but torch sees no CUDA device")
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs per loop and case (default 3)")
+    parser.add_argument("--case", choices=["default", "tiny", "all"], default="all")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args()
+
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info = machine(args.device)
+    header = [f"# Training loops: raw accelerate vs framework vs transformers.Trainer ({args.device})", "",
+              f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores"
+              + (f", {info['gpu']}" if "gpu" in info else "")
+              + f". torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}.",
+              "",
+              "fp32, same recipe, rows, batches and order in all three loops; no clipping. Steady samples/s leaves "
+              "out the first steps and the final work; total wall includes the final work (one eval pass + "
+              "save_pretrained), which all three loops do. Peak memory: "
+              + ("CUDA allocator peak." if args.device == "gpu" else "process peak RSS.")]
+    print("\n".join(header), flush=True)
+
+    report = {"date": started, "device": args.device, "machine": info, "repeats": args.repeats, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="compare_loops-") as tmp:
+        work = Path(tmp)
+        cases = make_cases(args.device, work)
+        chosen = list(cases) if args.case == "all" else [args.case]
+        if "tiny" in chosen:
+            build_tiny_model(work / "tiny-bert")
+        for name in chosen:
+            case = cases[name]
+            for loop in LOOPS:
+                print(f"[{name}] warm-up: {loop}", file=sys.stderr, flush=True)
+                run_once(loop, case, args.device, work, f"{name}-{loop}-warmup", steps=2, probe=False)
+            runs = []
+            for i in range(args.repeats):
+                for loop in LOOPS:
+                    print(f"[{name}] run {i + 1}/{args.repeats}: {loop}", file=sys.stderr, flush=True)
+                    runs.append(run_once(loop, case, args.device, work, f"{name}-{loop}-{i}", case.steps, True))
+            result = {"settings": {"steps": case.steps, "skip": case.skip, "batch": case.batch,
+                                   "max_length": case.max_length, "title": case.title},
+                      "runs": runs}
+            result["summary"] = summarize(runs)
+            report["cases"][name] = result
+            print("\n" + markdown(case, result, args.repeats), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

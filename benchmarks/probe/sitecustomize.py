@@ -1,0 +1,69 @@
+"""Measurement probe that compare_loops.py loads into every training process it starts.
+
+The parent puts this folder on PYTHONPATH, so Python imports this module at interpreter start
+(before the training script), in the raw loop, the framework CLI and the Trainer script alike.
+Nothing in the three training scripts is instrumented, so all three are measured the same way.
+
+It does nothing unless BENCH_PROBE_OUT is set. Then it registers a global optimizer-step post-hook
+and wraps ``torch.Tensor.backward``; per step that costs two Python calls, the same in every loop.
+It records, as wall-clock seconds since BENCH_T0 (the parent's ``time.time()`` just before the
+launch):
+
+- the end of optimizer step 1 (time to first step: interpreter start, imports, config, data, model),
+- the end of step BENCH_SKIP_STEPS and of step BENCH_STEPS (the steady-state window between them),
+- the first and the latest loss passed to ``backward``, read only at exit (no extra host sync),
+- on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
+
+On CUDA the hook synchronizes at those three steps only, so a recorded time is the time the
+device finished the step rather than the time the host queued it. It writes one JSON object to
+BENCH_PROBE_OUT at interpreter exit.
+"""
+
+import os
+
+_OUT = os.environ.pop("BENCH_PROBE_OUT", None)  # popped: processes the run starts itself are not probed
+
+
+def _install(out: str) -> None:
+    import atexit
+    import json
+    import time
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    t0 = float(os.environ["BENCH_T0"])
+    marks = {1: "step1", int(os.environ["BENCH_SKIP_STEPS"]): "window_start", int(os.environ["BENCH_STEPS"]): "window_end"}
+    record = {"steps": 0}
+    losses = {}  # first_loss, last_loss: detached tensors
+
+    def after_step(optimizer, args, kwargs):
+        record["steps"] += 1
+        name = marks.get(record["steps"])
+        if name:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            record[name] = time.time() - t0
+
+    backward = torch.Tensor.backward
+
+    def recording_backward(self, *args, **kwargs):
+        loss = self.detach()
+        losses.setdefault("first_loss", loss)
+        losses["last_loss"] = loss
+        return backward(self, *args, **kwargs)
+
+    def write():
+        record.update({name: loss.item() for name, loss in losses.items()})
+        if torch.cuda.is_initialized():
+            record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        with open(out, "w") as f:
+            json.dump(record, f)
+
+    register_optimizer_step_post_hook(after_step)
+    torch.Tensor.backward = recording_backward
+    atexit.register(write)
+
+
+if _OUT:
+    _install(_OUT)
