@@ -116,6 +116,8 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
         raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
     _check_launch(cfg, accelerator)
+    if _on_xla(accelerator):
+        _masks_without_host_reads()
     return accelerator
 
 
@@ -183,6 +185,23 @@ def describe(accelerator: Accelerator) -> Dict[str, object]:
     }
 
 
+def _masks_without_host_reads() -> None:
+    """transformers reads the attention mask on the host (``padding_mask.all()``) to skip building it when
+    nothing is padded. On XLA that read is a host sync in the middle of every forward, cutting the step's
+    graph in two; register mask builders that always build the mask instead (same results)."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    def without_skips(build):
+        def build_always(*args, **kwargs):
+            kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+            return build(*args, **kwargs)
+
+        return build_always
+
+    AttentionMaskInterface.register("sdpa", without_skips(sdpa_mask))
+    AttentionMaskInterface.register("eager", without_skips(eager_mask))
+
+
 def needs_static_shapes(accelerator: Accelerator) -> bool:
     """XLA compiles one graph per input shape: batches there must come in a few fixed shapes."""
     return accelerator.distributed_type == DistributedType.XLA
@@ -193,9 +212,9 @@ def _on_xla(accelerator: Accelerator) -> bool:
 
 
 def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zero placed on the device as data. Created by transfer rather than by a traced op, which on XLA
-    would join the next step's graph and make it a new graph to compile."""
-    return torch.zeros((), dtype=dtype).to(accelerator.device)
+    """A one-element zero placed on the device as data. XLA turns a 0-dim zero into a traced constant,
+    which would be one more graph to compile; a transferred 1-element tensor stays plain device data."""
+    return torch.zeros(1, dtype=dtype).to(accelerator.device)
 
 
 def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) -> float:
