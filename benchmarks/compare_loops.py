@@ -1,7 +1,7 @@
 """Compare this framework's training loop with a minimal accelerate loop and with transformers.Trainer.
 
     .venv/bin/python benchmarks/compare_loops.py [--repeats 3] [--case default|tiny|all] [--device cpu|gpu]
-                                                 [--json results.json]
+                                                 [--threads N] [--json results.json]
 
 Three loops train the same model on the same examples, each in its own process:
 
@@ -9,33 +9,37 @@ Three loops train the same model on the same examples, each in its own process:
 - framework: the real CLI, ``python recipes/run.py --config recipes/text_classification.yaml KEY=VALUE...``;
 - Trainer: ``benchmarks/trainer_loop.py``, ``transformers.Trainer`` with equivalent TrainingArguments.
 
-All three get the same recipe and overrides. The raw and Trainer scripts resolve them with the framework's
-config loader and read and tokenize the data with the framework's ``load_splits`` and ``tokenize``, so the
-train rows, the truncation to ``data.max_length`` and the dynamic padding (DataCollatorWithPadding) are the
-same. All three shuffle with accelerate's seedable sampler seeded by the recipe seed, so they see the same
-batches in the same order (with drop_last): same per-step shapes. The overrides make the work identical:
-``data.group_by_length=false`` (the others do not group), ``train.max_grad_norm=null`` (no clipping
-anywhere), ``train.log_every`` larger than the run (the framework reads the loss once, at the last step),
-fp32, AdamW with the recipe's lr and weight decay (not on biases and LayerNorm), linear schedule with the
-recipe's warmup ratio. A run is at most one epoch, so the framework evaluates once, at the end. After
-training every loop does the same final work: one pass over the eval split and save_pretrained.
+Same work. All three get the same recipe and overrides. The raw and Trainer scripts resolve them with the
+framework's config loader and read and tokenize the data with the framework's ``load_splits`` and
+``tokenize``: the same train rows, truncation to ``data.max_length``, dynamic padding per batch
+(DataCollatorWithPadding). All three shuffle with accelerate's seedable sampler seeded by the recipe seed,
+so they see the same batches in the same order (drop_last): the same shape at every step. The overrides
+make the rest identical: ``data.group_by_length=false`` (the others do not group),
+``train.max_grad_norm=null`` (no clipping anywhere), ``train.log_every`` beyond the run (the framework
+reads the loss on the host once, at the last step), fp32, AdamW with the recipe's lr and weight decay
+(not on biases and LayerNorm), linear schedule with the recipe's warmup ratio. A run is at most one
+epoch, so the framework evaluates once, at the end; the raw and Trainer scripts then do the same final
+work: one pass over the eval split and save_pretrained. The first and last losses in the tables show it:
+they agree exactly when the model has no dropout (the tiny case); with dropout (MiniLM) the Trainer's
+differ a little because it reseeds the RNG before training.
 
-Measurement. Each child is started with ``benchmarks/probe`` on PYTHONPATH, whose ``sitecustomize`` (see
-its docstring) hooks every optimizer step from outside the scripts, identically in the three loops, and
-records wall-clock times relative to ``BENCH_T0``, the parent's ``time.time()`` at launch:
+Measurement. Each child starts with ``benchmarks/probe`` on PYTHONPATH, whose ``sitecustomize`` (see its
+docstring) hooks every optimizer step from outside the scripts, the same way in the three loops, and
+records when each step ended, relative to ``BENCH_T0``, the parent's ``time.time()`` at launch:
 
 - time to first step: launch to the end of optimizer step 1 (interpreter, imports, config, data, model);
 - steady samples/s: ``(steps - skip) * batch / (t[steps] - t[skip])``, the window from the end of step
-  ``skip`` to the end of the last step, which leaves out the first steps and the final eval and save;
+  ``skip`` to the end of the last step; it leaves out the first steps and the final eval and save.
+  Also given, as a check on a busy machine: ``batch / median step time`` over the same window, which
+  ignores bursts of load from other processes (and would also hide a cost paid on few steps);
 - total wall: launch to process exit, final eval and save included;
-- peak memory: on the CPU the child's peak RSS from ``os.wait4`` (``RUSAGE_CHILDREN`` would be the
+- peak memory: on the CPU the child's peak RSS, from ``os.wait4`` (``RUSAGE_CHILDREN`` would give the
   largest of all children so far); on a GPU the CUDA allocator's peak in the child;
 - first and last loss: the losses of step 1 and of the last step, read at exit (no extra host sync).
 
-Runs alternate (raw, framework, Trainer, raw, ...) so machine drift hits the three alike, after one
-unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache; the tables
-show medians. Step-1 losses agree exactly when the model has no dropout (the tiny case); with dropout
-(MiniLM) the Trainer's differs a little because it reseeds the RNG before training.
+Runs alternate (raw, framework, Trainer, raw, ...) so drift in the machine's load hits the three alike,
+after one unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache; the
+tables give medians and the targets are checked on them.
 """
 
 from __future__ import annotations
@@ -58,16 +62,18 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 RECIPE = ROOT / "recipes" / "text_classification.yaml"
 LOOPS = {
-    "raw": [str(HERE / "raw_loop.py")],
-    "framework": [str(ROOT / "recipes" / "run.py")],
-    "Trainer": [str(HERE / "trainer_loop.py")],
+    "raw": HERE / "raw_loop.py",
+    "framework": ROOT / "recipes" / "run.py",
+    "Trainer": HERE / "trainer_loop.py",
 }
+METRICS = ["time_to_first_step_s", "steady_samples_per_s", "median_step_samples_per_s", "total_wall_s",
+           "peak_memory_mib", "first_loss", "last_loss"]
 MIB = 2 ** 20
 
 
@@ -77,44 +83,42 @@ class Case:
     title: str
     overrides: List[str]  # recipe overrides besides the common ones
     steps: int
-    skip: int  # steps left out of the steady-state window
+    skip: int  # the first steps, left out of the steady-state window
     batch: int = 32
     max_length: int = 64
 
+    def recipe_overrides(self, backend: str, output_dir: Path, steps: int) -> List[str]:
+        return [
+            *self.overrides,
+            f"backend={backend}",
+            f"output_dir={output_dir}",
+            "data.group_by_length=false",
+            f"data.max_length={self.max_length}",
+            f"train.batch_size={self.batch}",
+            f"train.max_steps={steps}",
+            "train.max_grad_norm=null",
+            "train.log_every=1000000000",
+        ]
 
-def make_cases(device: str, work: Path) -> Dict[str, Case]:
-    # On a GPU a MiniLM step takes milliseconds: more steps give a steady window of seconds. Both stay
-    # within one epoch (360 steps), so the framework evaluates once.
-    default_steps, tiny_steps = (40, 300) if device == "cpu" else (300, 300)
+
+def make_cases(device: str, tiny_model: Path) -> Dict[str, Case]:
+    # A MiniLM step takes about a second on a small CPU and milliseconds on a GPU: on the GPU more steps
+    # make a steady window of seconds. All stay within one epoch (360 steps), so one evaluation.
+    default_steps = 40 if device == "cpu" else 300
     return {
-        "default": Case("default", "all-MiniLM-L6-v2 (pretrained) on Rotten Tomatoes", [], default_steps, 5),
+        "default": Case("default", "all-MiniLM-L6-v2 (pretrained) on Rotten Tomatoes", [], default_steps, skip=5),
         "tiny": Case("tiny", "2-layer BERT, hidden 32, random init, no dropout, on Rotten Tomatoes",
-                     [f"model.name_or_path={work / 'tiny-bert'}"], tiny_steps, 20),
+                     [f"model.name_or_path={tiny_model}"], 300, skip=20),
     }
 
 
-def recipe_overrides(case: Case, device: str, output_dir: Path, steps: int) -> List[str]:
-    return [
-        *case.overrides,
-        f"backend={device}",
-        f"output_dir={output_dir}",
-        "data.group_by_length=false",
-        f"data.max_length={case.max_length}",
-        f"train.batch_size={case.batch}",
-        f"train.max_steps={steps}",
-        "train.max_grad_norm=null",
-        "train.log_every=1000000000",
-    ]
-
-
 def build_tiny_model(folder: Path, vocab_size: int = 2000) -> None:
-    """A tiny random BERT with a WordPiece vocabulary of the corpus's most frequent words (as in tests/conftest.py)."""
+    """A tiny random BERT (as in tests/conftest.py) with a vocabulary of the corpus's most frequent words."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-
     with bz2.open(ROOT / "assets" / "rotten_tomatoes.csv.bz2", "rt", newline="") as f:
         counts = Counter(word for row in csv.DictReader(f) for word in re.findall(r"\w+|[^\w\s]", row["text"].lower()))
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -128,95 +132,97 @@ def build_tiny_model(folder: Path, vocab_size: int = 2000) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def run_once(loop: str, case: Case, device: str, work: Path, label: str, steps: int, probe: bool) -> Dict:
-    """One training process; returns its measurements (nothing for an unprobed warm-up)."""
-    out = work / "runs" / label
-    log, probe_file = work / f"{label}.log", work / f"{label}.probe.json"
-    cmd = [sys.executable, *LOOPS[loop], "--config", str(RECIPE), *recipe_overrides(case, device, out, steps)]
-    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    if device == "gpu":
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Trainer started without a launcher would use every GPU
-    if probe:
-        env.update(PYTHONPATH=os.pathsep.join([str(HERE / "probe"), *filter(None, [env.get("PYTHONPATH")])]),
-                   BENCH_PROBE_OUT=str(probe_file), BENCH_STEPS=str(steps), BENCH_SKIP_STEPS=str(case.skip))
-    with log.open("w") as f:
-        env["BENCH_T0"] = repr(time.time())
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
-        wall = time.time() - float(env["BENCH_T0"])
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        sys.exit(f"{label} failed (exit {proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-4000:]}")
-    shutil.rmtree(out)  # the saved model: not needed, and 90 MB per MiniLM run
-    if not probe:
-        return {}
-    p = json.loads(probe_file.read_text())
-    if p["steps"] != steps:
-        sys.exit(f"{label}: {p['steps']} optimizer steps instead of {steps}; the loops did not do the same work")
-    peak = p["cuda_peak_bytes"] if device == "gpu" else usage.ru_maxrss * 1024  # Linux reports KiB
-    return {
-        "loop": loop,
-        "time_to_first_step_s": p["step1"],
-        "steady_samples_per_s": (steps - case.skip) * case.batch / (p["window_end"] - p["window_start"]),
-        "total_wall_s": wall,
-        "peak_memory_mib": peak / MIB,
-        "first_loss": p["first_loss"],
-        "last_loss": p["last_loss"],
-    }
+@dataclass
+class Bench:
+    device: str
+    work: Path
+    env: Dict[str, str]  # for every child
 
-
-METRICS = ["time_to_first_step_s", "steady_samples_per_s", "total_wall_s", "peak_memory_mib", "first_loss",
-           "last_loss"]
+    def run(self, loop: str, case: Case, label: str, steps: int, probe: bool) -> Dict:
+        """One training process; returns its measurements (nothing for an unprobed warm-up)."""
+        out = self.work / "runs" / label
+        log, probe_file = self.work / f"{label}.log", self.work / f"{label}.probe.json"
+        cmd = [sys.executable, str(LOOPS[loop]), "--config", str(RECIPE),
+               *case.recipe_overrides(self.device, out, steps)]
+        env = dict(self.env)
+        if probe:
+            env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), env.get("PYTHONPATH")])),
+                       BENCH_PROBE_OUT=str(probe_file), BENCH_STEPS=str(steps), BENCH_SKIP_STEPS=str(case.skip))
+        with log.open("w") as f:
+            env["BENCH_T0"] = repr(time.time())
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # the rusage of this child alone
+            wall = time.time() - float(env["BENCH_T0"])
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            sys.exit(f"{label} failed (exit {proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-4000:]}")
+        shutil.rmtree(out)  # the saved model (90 MB for MiniLM) is not needed
+        if not probe:
+            return {}
+        p = json.loads(probe_file.read_text())
+        ends = p["step_ends"]
+        if len(ends) != steps:
+            sys.exit(f"{label}: {len(ends)} optimizer steps instead of {steps}; the loops did not do the same work")
+        window = ends[case.skip - 1:]  # from the end of step `skip` to the end of the last step
+        peak = p["cuda_peak_bytes"] if self.device == "gpu" else usage.ru_maxrss * 1024  # Linux: KiB
+        return {
+            "loop": loop,
+            "time_to_first_step_s": ends[0],
+            "steady_samples_per_s": (len(window) - 1) * case.batch / (window[-1] - window[0]),
+            "median_step_samples_per_s": case.batch / statistics.median(b - a for a, b in zip(window, window[1:])),
+            "total_wall_s": wall,
+            "peak_memory_mib": peak / MIB,
+            "first_loss": p["first_loss"],
+            "last_loss": p["last_loss"],
+        }
 
 
 def summarize(runs: List[Dict]) -> Dict:
     medians = {loop: {m: statistics.median(r[m] for r in runs if r["loop"] == loop) for m in METRICS}
                for loop in LOOPS}
-    fw, raw, tr = medians["framework"], medians["raw"], medians["Trainer"]
-    ratios = {
-        "framework/raw": {"steady_samples_per_s": fw["steady_samples_per_s"] / raw["steady_samples_per_s"],
-                          "peak_memory": fw["peak_memory_mib"] / raw["peak_memory_mib"]},
-        "framework/Trainer": {"steady_samples_per_s": fw["steady_samples_per_s"] / tr["steady_samples_per_s"],
-                              "peak_memory": fw["peak_memory_mib"] / tr["peak_memory_mib"]},
-    }
+    fw = medians["framework"]
+    ratios = {f"framework/{other}": {
+        "steady_samples_per_s": fw["steady_samples_per_s"] / medians[other]["steady_samples_per_s"],
+        "median_step_samples_per_s": fw["median_step_samples_per_s"] / medians[other]["median_step_samples_per_s"],
+        "peak_memory": fw["peak_memory_mib"] / medians[other]["peak_memory_mib"],
+    } for other in ("raw", "Trainer")}
     targets = {
         "steady samples/s >= 0.99 x raw": ratios["framework/raw"]["steady_samples_per_s"] >= 0.99,
         "peak memory <= 1.02 x raw": ratios["framework/raw"]["peak_memory"] <= 1.02,
-        "steady samples/s > Trainer": fw["steady_samples_per_s"] > tr["steady_samples_per_s"],
-        "time to first step < Trainer": fw["time_to_first_step_s"] < tr["time_to_first_step_s"],
+        "steady samples/s > Trainer": ratios["framework/Trainer"]["steady_samples_per_s"] > 1,
+        "time to first step < Trainer": fw["time_to_first_step_s"] < medians["Trainer"]["time_to_first_step_s"],
     }
     return {"medians": medians, "ratios": ratios, "targets": targets}
 
 
-def markdown(case: Case, result: Dict, repeats: int) -> str:
-    med, ratios = result["summary"]["medians"], result["summary"]["ratios"]
-    lines = [f"## {case.name}: {case.title}",
-             "",
-             f"{case.steps} steps x batch {case.batch}, max_length {case.max_length}, steady window = steps "
-             f"{case.skip + 1}-{case.steps}; medians of {repeats} run(s) per loop",
-             "",
+def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
+    repeats = len(runs) // len(LOOPS)
+    lines = [f"## {case.name}: {case.title}", "",
+             f"{case.steps} steps x batch {case.batch}, max_length {case.max_length}; steady window: steps "
+             f"{case.skip + 1}-{case.steps}; medians of {repeats} run(s) per loop.", "",
              "| loop | time to first step (s) | steady samples/s | total wall (s) | peak memory (MiB) | first loss "
              "| last loss |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for loop, m in med.items():
-        lines.append(f"| {loop} | {m['time_to_first_step_s']:.2f} | {m['steady_samples_per_s']:.1f} | "
-                     f"{m['total_wall_s']:.1f} | {m['peak_memory_mib']:.0f} | {m['first_loss']:.4f} | "
-                     f"{m['last_loss']:.4f} |")
-    lines += ["", "| ratio | steady samples/s | peak memory |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['peak_memory']:.3f} |" for name, r in ratios.items()]
+    lines += [f"| {loop} | {m['time_to_first_step_s']:.2f} | {m['steady_samples_per_s']:.1f} | "
+              f"{m['total_wall_s']:.1f} | {m['peak_memory_mib']:.0f} | {m['first_loss']:.4f} | {m['last_loss']:.4f} |"
+              for loop, m in summary["medians"].items()]
+    lines += ["", "| ratio | steady samples/s | steady samples/s from the median step | peak memory |",
+              "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['median_step_samples_per_s']:.3f} | "
+              f"{r['peak_memory']:.3f} |" for name, r in summary["ratios"].items()]
     lines += ["", "Targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}"
-                                        for name, ok in result["summary"]["targets"].items()),
-              "", "Steady samples/s per run: " + "; ".join(
-                  f"{loop} " + ", ".join(f"{r['steady_samples_per_s']:.1f}" for r in result["runs"] if r["loop"] == loop)
-                  for loop in LOOPS)]
+                                        for name, ok in summary["targets"].items()) + ".", "",
+              "Steady samples/s per run, window mean (from the median step): " + "; ".join(
+                  f"{loop} " + ", ".join(f"{r['steady_samples_per_s']:.1f} ({r['median_step_samples_per_s']:.1f})"
+                                         for r in runs if r["loop"] == loop) for loop in LOOPS) + "."]
     return "\n".join(lines)
 
 
-def machine(device: str) -> Dict[str, object]:
+def machine(device: str, threads: Optional[int]) -> Dict[str, object]:
     with open("/proc/cpuinfo") as f:
         names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info = {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count(), "python": platform.python_version(),
+    info = {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count(),
+            "threads_per_process": threads or "torch default", "python": platform.python_version(),
             **{name: version(name) for name in ("torch", "transformers", "accelerate", "datasets")}}
     if device == "gpu":
         import torch
@@ -232,26 +238,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per loop and case (default 3)")
     parser.add_argument("--case", choices=["default", "tiny", "all"], default="all")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--threads", type=int,
+                        help="CPU threads per training process (OMP_NUM_THREADS); default: torch's, one per core. "
+                             "On a machine shared with other work, 1 is far less sensitive to the other load")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
+    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--repeats and --threads must be at least 1")
 
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    info = machine(args.device)
-    header = [f"# Training loops: raw accelerate vs framework vs transformers.Trainer ({args.device})", "",
-              f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores"
-              + (f", {info['gpu']}" if "gpu" in info else "")
-              + f". torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}.",
-              "",
-              "fp32, same recipe, rows, batches and order in all three loops; no clipping. Steady samples/s leaves "
-              "out the first steps and the final work; total wall includes the final work (one eval pass + "
-              "save_pretrained), which all three loops do. Peak memory: "
-              + ("CUDA allocator peak." if args.device == "gpu" else "process peak RSS.")]
-    print("\n".join(header), flush=True)
+    info = machine(args.device, args.threads)
+    print("\n".join([
+        f"# Training loops: raw accelerate vs framework vs transformers.Trainer ({args.device})", "",
+        f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores"
+        + (f", {info['gpu']}" if "gpu" in info else "") + f"; CPU threads per process: {info['threads_per_process']}."
+        f" torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}.", "",
+        "fp32; the same recipe, rows, batches and order in the three loops; no clipping. Steady samples/s "
+        "leaves out the first steps and the final work; total wall includes the final work (one eval pass + "
+        "save_pretrained), which all three loops do. Peak memory: "
+        + ("CUDA allocator peak." if args.device == "gpu" else "process peak RSS."),
+    ]), flush=True)
 
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.device == "gpu":
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Trainer started without a launcher would use every GPU
     report = {"date": started, "device": args.device, "machine": info, "repeats": args.repeats, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="compare_loops-") as tmp:
         work = Path(tmp)
-        cases = make_cases(args.device, work)
+        env["HF_HOME"] = str(work / "hf_home")  # a fresh datasets cache, filled by the warm-up runs
+        bench = Bench(args.device, work, env)
+        cases = make_cases(args.device, work / "tiny-bert")
         chosen = list(cases) if args.case == "all" else [args.case]
         if "tiny" in chosen:
             build_tiny_model(work / "tiny-bert")
@@ -259,18 +277,17 @@ def main() -> None:
             case = cases[name]
             for loop in LOOPS:
                 print(f"[{name}] warm-up: {loop}", file=sys.stderr, flush=True)
-                run_once(loop, case, args.device, work, f"{name}-{loop}-warmup", steps=2, probe=False)
+                bench.run(loop, case, f"{name}-{loop}-warmup", steps=2, probe=False)
             runs = []
             for i in range(args.repeats):
                 for loop in LOOPS:
                     print(f"[{name}] run {i + 1}/{args.repeats}: {loop}", file=sys.stderr, flush=True)
-                    runs.append(run_once(loop, case, args.device, work, f"{name}-{loop}-{i}", case.steps, True))
-            result = {"settings": {"steps": case.steps, "skip": case.skip, "batch": case.batch,
-                                   "max_length": case.max_length, "title": case.title},
-                      "runs": runs}
-            result["summary"] = summarize(runs)
-            report["cases"][name] = result
-            print("\n" + markdown(case, result, args.repeats), flush=True)
+                    runs.append(bench.run(loop, case, f"{name}-{loop}-{i}", case.steps, probe=True))
+            summary = summarize(runs)
+            report["cases"][name] = {"settings": {"title": case.title, "steps": case.steps, "skip": case.skip,
+                                                  "batch": case.batch, "max_length": case.max_length},
+                                     "runs": runs, **summary}
+            print("\n" + markdown(case, runs, summary), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -34,6 +34,9 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
+        from framework import device
+
+        device.select_backend(cfg)  # before anything imports accelerate
         from framework.train import train  # heavy imports only when training
 
         train(cfg, dry_run=args.dry_run)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,20 +89,51 @@ class TrainConfig:
     """Clip the global gradient norm to this value; null turns clipping off."""
     log_every: int = _bounded(10, gt=0)
     """Log the mean training loss every this many optimizer steps."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of storing them (the model's own non-reentrant
+    checkpointing; with FSDP, use distributed.fsdp.activation_checkpointing)."""
+    compile: bool = False
+    """torch.compile the model (not on XLA, which compiles graphs itself)."""
+
+
+@dataclass
+class ParamGroupConfig:
+    pattern: str = ""
+    """Regular expression searched in parameter names (e.g. 'classifier'); the first matching group wins."""
+    lr: Optional[float] = _bounded(None, gt=0)
+    """This group's peak learning rate (default: optim.lr)."""
+    weight_decay: Optional[float] = _bounded(None, ge=0)
+    """This group's weight decay for its matrices (default: optim.weight_decay)."""
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw"] = "adamw"
-    """Optimizer."""
-    lr: float = _bounded(5e-5, gt=0)
-    """Peak learning rate."""
+    name: Literal["adamw", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit", "lion"] = "adamw"
+    """Optimizer: torch AdamW (fused/foreach where supported), SGD, transformers' Adafactor, bitsandbytes'
+    8-bit AdamW (paged or not), or bitsandbytes' Lion."""
+    lr: Optional[float] = _bounded(5e-5, gt=0)
+    """Peak learning rate. null only with Adafactor's relative-step mode."""
     weight_decay: float = _bounded(0.01, ge=0)
     """Decoupled weight decay, applied to weights but not to biases and normalization layers."""
-    scheduler: Literal["linear", "cosine"] = "linear"
-    """Learning-rate schedule after warmup."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/Lion moment coefficients."""
+    eps: float = _bounded(1e-8, gt=0)
+    """Adam denominator epsilon."""
+    momentum: float = _bounded(0.9, ge=0, lt=1)
+    """SGD momentum."""
+    nesterov: bool = False
+    """SGD Nesterov momentum."""
+    relative_step: bool = False
+    """Adafactor only: its own time-dependent learning rate (set lr: null and scheduler: constant)."""
+    param_groups: List[ParamGroupConfig] = field(default_factory=list)
+    """Parameters with their own learning rate or weight decay, matched by name."""
+    scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                       "constant_with_warmup"] = "linear"
+    """Learning-rate schedule after warmup (transformers.get_scheduler)."""
     warmup_ratio: float = _bounded(0.0, ge=0, lt=1)
     """Fraction of the optimizer steps spent warming up linearly from zero."""
+    warmup_steps: Optional[int] = _bounded(None, ge=0)
+    """Warmup length in optimizer steps; overrides warmup_ratio."""
 
 
 @dataclass
@@ -138,6 +170,9 @@ class DistributedConfig:
     """How processes share the work; auto takes what the launch config sets up (DDP when several processes)."""
     num_processes: Optional[int] = _bounded(None, gt=0)
     """The number of processes this recipe expects; the run refuses to start with any other number."""
+    local_sgd_steps: Optional[int] = _bounded(None, gt=0)
+    """Local SGD: each process steps on its own gradients and parameters are averaged every this many
+    optimizer steps (accelerate's LocalSGD), instead of all-reducing gradients every step."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
@@ -264,6 +299,15 @@ def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
             problems.append(f"unknown key '{prefix}{key}'{_suggest(str(key), prefix, cls)}")
             continue
         kind = hints[key]
+        item = (typing.get_args(kind) or [None])[0]
+        if typing.get_origin(kind) in (list, List) and dataclasses.is_dataclass(item):
+            if not isinstance(value, list):
+                problems.append(f"{prefix}{key}: {_show(value)} is not allowed; expected a list of mappings")
+                continue
+            built = [_build(item, v, f"{prefix}{key}[{i}].") for i, v in enumerate(value)]
+            values[key] = [b[0] for b in built]
+            problems += [p for b in built for p in b[1]]
+            continue
         if dataclasses.is_dataclass(kind):
             values[key], sub = _build(kind, value if value is not None else {}, f"{prefix}{key}.")
             problems += sub
@@ -333,6 +377,23 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 or b > d.max_length for b in d.pad_buckets)):
         problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of lengths in 1..data.max_length "
                         f"({d.max_length})")
+    o = cfg.optim
+    if o.lr is None and not (o.name == "adafactor" and o.relative_step):
+        problems.append("optim.lr: null is only allowed with optim.name=adafactor and optim.relative_step=true")
+    for i, group in enumerate(o.param_groups):
+        try:
+            re.compile(group.pattern)
+            if not group.pattern:
+                raise re.error("empty")
+        except re.error as e:
+            problems.append(f"optim.param_groups[{i}].pattern: {group.pattern!r} is not a usable regular expression ({e})")
+    if o.relative_step and o.name != "adafactor":
+        problems.append(f"optim.relative_step: only Adafactor has a relative-step mode, not {o.name}")
+    if o.relative_step and (o.lr is not None or o.scheduler != "constant"):
+        problems.append("optim.relative_step: Adafactor then sets its own learning rate; use optim.lr=null "
+                        "and optim.scheduler=constant")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"optim.betas: {o.betas} must be two numbers in [0, 1)")
     if d.labels is not None and len(set(d.labels)) < 2:
         problems.append(f"data.labels: {d.labels} must name at least two distinct labels")
     return problems

@@ -11,20 +11,26 @@ import importlib.util
 import os
 from typing import Dict, List, Optional
 
+from typing import TYPE_CHECKING
+
 import torch
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DeepSpeedPlugin,
-    DistributedType,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-)
 
 from framework.config import RunConfig
 from framework.errors import UserError
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# accelerate is imported inside the functions that need it: select_backend() must run before that import.
+
 XLA_INSTALL = "install it with `pip install -e '.[xla]'` (or `make install-xla`)"
+
+
+def select_backend(cfg: RunConfig) -> None:
+    """Call before accelerate is imported. With torch_xla installed accelerate always picks XLA, even when
+    asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead."""
+    if cfg.backend in ("cpu", "gpu"):
+        os.environ["USE_TORCH_XLA"] = "0"
 
 
 def has_xla() -> bool:
@@ -71,6 +77,8 @@ def check(cfg: RunConfig) -> None:
 
 
 def _plugins(cfg: RunConfig) -> dict:
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
     d = cfg.distributed
     if d.strategy == "fsdp":
         f = d.fsdp
@@ -94,6 +102,9 @@ def _plugins(cfg: RunConfig) -> dict:
 
 
 def build_accelerator(cfg: RunConfig) -> Accelerator:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
     check(cfg)
     try:
         accelerator = Accelerator(
@@ -142,19 +153,19 @@ def _check_launch(cfg: RunConfig, accelerator: Accelerator) -> None:
 
 
 def backend_name(accelerator: Accelerator) -> str:
-    if accelerator.distributed_type == DistributedType.XLA:
+    if accelerator.distributed_type == "XLA":
         return "xla"
     return "gpu" if accelerator.device.type == "cuda" else accelerator.device.type
 
 
 def strategy_name(accelerator: Accelerator) -> str:
     kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP:
+    if kind == "FSDP":
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
-    if kind == DistributedType.DEEPSPEED:
+    if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
     if accelerator.num_processes > 1:
-        return "xla data parallel" if kind == DistributedType.XLA else "ddp"
+        return "xla data parallel" if kind == "XLA" else "ddp"
     return "single process"
 
 
@@ -204,11 +215,11 @@ def _masks_without_host_reads() -> None:
 
 def needs_static_shapes(accelerator: Accelerator) -> bool:
     """XLA compiles one graph per input shape: batches there must come in a few fixed shapes."""
-    return accelerator.distributed_type == DistributedType.XLA
+    return accelerator.distributed_type == "XLA"
 
 
 def _on_xla(accelerator: Accelerator) -> bool:
-    return accelerator.distributed_type == DistributedType.XLA
+    return accelerator.distributed_type == "XLA"
 
 
 def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -283,7 +294,7 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dic
     """The full state dict, on the CPU. Every process must call it (FSDP and DeepSpeed gather collectively);
     XLA tensors must come to the host before safetensors can write them."""
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.distributed_type == DistributedType.XLA:
+    if accelerator.distributed_type == "XLA":
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
     return state_dict
 

@@ -6,17 +6,16 @@ Nothing in the three training scripts is instrumented, so all three are measured
 
 It does nothing unless BENCH_PROBE_OUT is set. Then it registers a global optimizer-step post-hook
 and wraps ``torch.Tensor.backward``; per step that costs two Python calls, the same in every loop.
-It records, as wall-clock seconds since BENCH_T0 (the parent's ``time.time()`` just before the
-launch):
+It records:
 
-- the end of optimizer step 1 (time to first step: interpreter start, imports, config, data, model),
-- the end of step BENCH_SKIP_STEPS and of step BENCH_STEPS (the steady-state window between them),
-- the first and the latest loss passed to ``backward``, read only at exit (no extra host sync),
+- the end of every optimizer step, in wall-clock seconds since BENCH_T0 (the parent's ``time.time()``
+  just before the launch), so the end of step 1 is the time to first step;
+- the first and the latest loss passed to ``backward``, read only at exit (no extra host sync);
 - on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
 
-On CUDA the hook synchronizes at those three steps only, so a recorded time is the time the
-device finished the step rather than the time the host queued it. It writes one JSON object to
-BENCH_PROBE_OUT at interpreter exit.
+On CUDA the hook synchronizes after step 1, step BENCH_SKIP_STEPS and step BENCH_STEPS only (the
+steady-state window's ends), so those times are when the device finished the step rather than when
+the host queued it. It writes one JSON object to BENCH_PROBE_OUT at interpreter exit.
 """
 
 import os
@@ -33,17 +32,15 @@ def _install(out: str) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     t0 = float(os.environ["BENCH_T0"])
-    marks = {1: "step1", int(os.environ["BENCH_SKIP_STEPS"]): "window_start", int(os.environ["BENCH_STEPS"]): "window_end"}
-    record = {"steps": 0}
+    # Steps after which CUDA work is drained before the time is taken: step 1 and the window's ends.
+    sync_after = {1, int(os.environ["BENCH_SKIP_STEPS"]), int(os.environ["BENCH_STEPS"])}
+    step_ends = []
     losses = {}  # first_loss, last_loss: detached tensors
 
     def after_step(optimizer, args, kwargs):
-        record["steps"] += 1
-        name = marks.get(record["steps"])
-        if name:
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            record[name] = time.time() - t0
+        if len(step_ends) + 1 in sync_after and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        step_ends.append(time.time() - t0)
 
     backward = torch.Tensor.backward
 
@@ -54,6 +51,7 @@ def _install(out: str) -> None:
         return backward(self, *args, **kwargs)
 
     def write():
+        record = {"step_ends": step_ends}
         record.update({name: loss.item() for name, loss in losses.items()})
         if torch.cuda.is_initialized():
             record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()

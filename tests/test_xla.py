@@ -1,0 +1,66 @@
+"""The XLA path, run for real on the CPU (PJRT_DEVICE=CPU) in its own venv: `make test-xla`.
+
+Static shapes keep the number of compiled graphs bounded and independent of the run length; the losses
+match the CPU backend's; gradient accumulation on XLA equals the larger batch.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_metrics, tiny_args, train_losses
+
+pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
+pytestmark = pytest.mark.xla
+
+SAMPLE = ["data.max_train_samples=256", "data.max_eval_samples=100", "data.max_length=32", "train.batch_size=16",
+          "train.log_every=4"]
+BUCKETS = 3  # the default buckets for max_length 32: 8, 16, 32
+
+
+@pytest.fixture(autouse=True)
+def xla_on_cpu(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_default_recipe_compiles_a_bounded_number_of_graphs(cli, tmp_path):
+    one, three = tmp_path / "one_epoch", tmp_path / "three_epochs"
+    proc = cli([*SAMPLE, "train.epochs=1", f"output_dir={one}"])
+    assert "backend: xla" in proc.stdout and "padding: static, lengths [8, 16, 32]" in proc.stdout
+    cli([*SAMPLE, "train.epochs=3", f"output_dir={three}"])
+    short, long = summary(one)["xla"], summary(three)["xla"]
+    assert summary(three)["train"]["steps"] == 3 * summary(one)["train"]["steps"] == 48
+    assert short["compiles"] <= BUCKETS + 3, short
+    assert long["compiles"] == short["compiles"], (short, long)  # three times the steps, no new graph
+    assert long["warning"] is None and short["compile_seconds"] > 0 and short["transfers_to_host"] > 0
+
+
+def test_xla_losses_match_the_cpu_backend(cli, tiny_model, easy_data, tmp_path):
+    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
+    cli(tiny_args(tiny_model, easy_data, xla, "train.max_steps=10"))
+    cli(tiny_args(tiny_model, easy_data, cpu, "train.max_steps=10", "backend=cpu"))
+    assert summary(xla)["backend"] == "xla" and summary(cpu)["backend"] == "cpu"
+    # Static padding on XLA, dynamic on the CPU: the attention mask makes them the same computation,
+    # up to float32 reduction order.
+    torch.testing.assert_close(torch.tensor(train_losses(xla)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_on_xla_equals_the_larger_batch(cli, tiny_model, easy_data, tmp_path):
+    big, accum = tmp_path / "batch8", tmp_path / "batch4x2"
+    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null"]
+    cli(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common))
+    cli(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2", *common))
+    assert summary(accum)["backend"] == "xla"
+    wa, wb = load_file(big / "model" / "model.safetensors"), load_file(accum / "model" / "model.safetensors")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]),
+                               torch.tensor([r["loss"] for r in read_metrics(accum) if "loss" in r]),
+                               rtol=1e-4, atol=1e-5)
