@@ -70,21 +70,42 @@ def check(cfg: RunConfig) -> None:
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
                         "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
+    if cfg.distributed.local_sgd_steps and (xla or strategy in ("fsdp", "deepspeed")):
+        where = "XLA" if xla else strategy
+        raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
+                        "(only plain data parallel on CPUs and GPUs); remove the key or use strategy=ddp")
+    if cfg.train.compile and xla:
+        raise UserError("train.compile: XLA already compiles the model's graphs; remove train.compile on XLA")
     launched = "fsdp" if _launched_with("FSDP") else "deepspeed" if _launched_with("DEEPSPEED") else None
     if launched and strategy not in ("auto", launched):
         raise UserError(f"distributed.strategy: the recipe asks for {strategy} but the launch config sets up "
                         f"{launched}; use a matching --config_file or set distributed.strategy={launched}")
 
 
+def model_checkpointing(cfg: RunConfig) -> bool:
+    """Whether the model's own gradient checkpointing is wanted (FSDP does it through its plugin instead)."""
+    return cfg.train.gradient_checkpointing and cfg.distributed.strategy != "fsdp"
+
+
 def _plugins(cfg: RunConfig) -> dict:
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    if cfg.train.compile:
+        return {"dynamo_plugin": TorchDynamoPlugin(backend="inductor"), **_plugins_distributed(cfg)}
+    return _plugins_distributed(cfg)
+
+
+def _plugins_distributed(cfg: RunConfig) -> dict:
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
     d = cfg.distributed
     if d.strategy == "fsdp":
         f = d.fsdp
         wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
+        # train.gradient_checkpointing under FSDP means FSDP's own activation checkpointing of each block.
+        checkpointing = f.activation_checkpointing or cfg.train.gradient_checkpointing
         options = dict(fsdp_version=f.version, auto_wrap_policy=wrap[f.auto_wrap_policy],
-                       activation_checkpointing=f.activation_checkpointing, cpu_offload=f.offload_params,
+                       activation_checkpointing=checkpointing, cpu_offload=f.offload_params,
                        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading, min_num_params=f.min_num_params,
                        state_dict_type="FULL_STATE_DICT")
         if f.version == 2:
@@ -211,6 +232,15 @@ def _masks_without_host_reads() -> None:
 
     AttentionMaskInterface.register("sdpa", without_skips(sdpa_mask))
     AttentionMaskInterface.register("eager", without_skips(eager_mask))
+
+
+def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """Move the model to its device before the optimizer is built over its parameters: fused optimizers
+    check the device, and on XLA the parameters must already be device tensors. FSDP and DeepSpeed place
+    (and shard) the model themselves in prepare()."""
+    if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
+        return model
+    return model.to(accelerator.device)
 
 
 def needs_static_shapes(accelerator: Accelerator) -> bool:

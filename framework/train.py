@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -13,6 +14,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
@@ -85,7 +87,14 @@ def setup(cfg: RunConfig) -> Run:
     eval_rows = t.eval_batch_size or 2 * t.batch_size
     eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
     eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers)
-    optimizer = build_optimizer(model, cfg.optim)
+    if device.model_checkpointing(cfg):
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
+                            "set train.gradient_checkpointing=false")
+        # Non-reentrant: works with frozen inputs and keeps the RNG state, so results match without it.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model = device.place_model(accelerator, model)
+    optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
 
     steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
@@ -112,57 +121,91 @@ def setup(cfg: RunConfig) -> Run:
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs))
 
 
+class LossWindow:
+    """Training loss and token count, summed on the device and read only at log intervals: reading them
+    every step would force a host sync (and on XLA cut the step's graph) each step."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.loss_sum = device.zero_scalar(accelerator)
+        self.tokens = device.zero_scalar(accelerator, torch.long)
+        self.micro_steps, self.start = 0, time.perf_counter()
+
+    def add(self, loss: torch.Tensor, batch: Dict[str, torch.Tensor]) -> None:
+        self.loss_sum += loss.detach()
+        self.tokens += batch["attention_mask"].sum()
+        self.micro_steps += 1
+
+    def close(self) -> tuple:
+        """Host sync: (mean loss over the window and all processes, micro-steps, seconds); starts a new window."""
+        loss = device.read_scalar(self.accelerator, self.loss_sum, "mean") / self.micro_steps
+        result = (loss, self.micro_steps, time.perf_counter() - self.start)
+        self.loss_sum = device.zero_scalar(self.accelerator)
+        self.micro_steps, self.start = 0, time.perf_counter()
+        return result
+
+    def total_tokens(self) -> int:
+        return int(device.read_scalar(self.accelerator, self.tokens, "sum"))
+
+
 def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
-    """Train until ``total_steps`` optimizer steps are done, evaluating after every epoch."""
+    """Train until ``total_steps`` optimizer steps are done, evaluating after every whole epoch."""
+    cfg = run.cfg
+    window = LossWindow(run.accelerator)
+    run.model.train()
+    # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
+    k = cfg.distributed.local_sgd_steps
+    local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
+    with local_sgd or nullcontext():
+        while state.step < run.total_steps:
+            if _train_epoch(run, reporter, state, window, local_sgd):
+                _log_eval(run, reporter, state)
+    state.tokens += window.total_tokens()
+
+
+def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
+                 local_sgd: Optional[LocalSGD]) -> bool:
+    """One pass over the training batches (or until the last step); returns whether the epoch completed."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
-    accum = cfg.train.gradient_accumulation_steps
-    micro_per_epoch = run.steps_per_epoch * accum
-    # The loss is summed on the device and read only at log intervals: reading it every step would
-    # force a host sync (and on XLA cut the graph) each step.
-    loss_sum = device.zero_scalar(acc)
-    tokens = device.zero_scalar(acc, torch.long)
-    micro_in_window = 0
-    window_start = time.perf_counter()
-    model.train()
-    while state.step < run.total_steps:
-        run.train_dl.set_epoch(state.epoch)
-        for micro, batch in enumerate(run.train_dl):
-            if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
-                break
-            with acc.accumulate(model):
-                loss = run.task.train_loss(model, batch)
-                acc.backward(loss)
-                if acc.sync_gradients and cfg.train.max_grad_norm:
-                    acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-                run.optimizer.step()
-                run.optimizer.zero_grad()
-            loss_sum += loss.detach()
-            tokens += batch["attention_mask"].sum()
-            micro_in_window += 1
-            if not acc.sync_gradients:
-                continue
-            run.scheduler.step()
-            state.step += 1
-            if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
-                # Host sync: the mean loss over the window and over all processes.
-                state.last_loss = device.read_scalar(acc, loss_sum, "mean") / micro_in_window
-                elapsed = time.perf_counter() - window_start
-                speed = micro_in_window * cfg.train.batch_size * acc.num_processes / elapsed
-                reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
-                              "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
-                reporter.show_loss(state.last_loss)
-                warning = run.compile_watch.check(state.step)
-                if warning:
-                    reporter.print(f"warning: {warning}")
-                loss_sum = device.zero_scalar(acc)
-                micro_in_window, window_start = 0, time.perf_counter()
-            reporter.step()
-            if state.step >= run.total_steps:
-                break
-        state.epoch += 1
-        if micro >= micro_per_epoch - 1:  # a whole epoch ended: evaluate
-            _log_eval(run, reporter, state)
-    state.tokens += int(device.read_scalar(acc, tokens, "sum"))
+    micro_per_epoch = run.steps_per_epoch * cfg.train.gradient_accumulation_steps
+    run.train_dl.set_epoch(state.epoch)
+    completed = True
+    for micro, batch in enumerate(run.train_dl):
+        if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
+            break
+        with acc.accumulate(model):
+            loss = run.task.train_loss(model, batch)
+            acc.backward(loss)
+            if acc.sync_gradients and cfg.train.max_grad_norm:
+                acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        window.add(loss, batch)
+        if not acc.sync_gradients:
+            continue
+        run.scheduler.step()
+        if local_sgd is not None:
+            local_sgd.step()
+        state.step += 1
+        if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
+            _log_train(run, reporter, state, window)
+        reporter.step()
+        if state.step >= run.total_steps:
+            completed = micro == micro_per_epoch - 1
+            break
+    state.epoch += 1
+    return completed
+
+
+def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
+    state.last_loss, micro_steps, seconds = window.close()
+    speed = micro_steps * run.cfg.train.batch_size * run.accelerator.num_processes / seconds
+    reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
+                  "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
+    reporter.show_loss(state.last_loss)
+    warning = run.compile_watch.check(state.step)
+    if warning:
+        reporter.print(f"warning: {warning}")
 
 
 def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
