@@ -27,7 +27,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None) -> int:
-    """Run one training process; returns the exit status (0 done, 2 user error)."""
+    """Run one training process; returns the exit status: 0 done, 2 user error, 3 preempted (a checkpoint
+    was saved on SIGTERM/SIGINT; the same command resumes)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config or default_recipe, args.overrides)
@@ -37,9 +38,14 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
         from framework import device
 
         device.select_backend(cfg)  # before anything imports accelerate
-        from framework.train import train  # heavy imports only when training
+        from framework.checkpoint import EXIT_PREEMPTED, Preempted  # heavy imports only when training
+        from framework.train import train
 
-        train(cfg, dry_run=args.dry_run)
+        try:
+            train(cfg, dry_run=args.dry_run)
+        except Preempted as e:
+            print(f"preempted: {e}", file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

@@ -94,6 +94,30 @@ class TrainConfig:
     checkpointing; with FSDP, use distributed.fsdp.activation_checkpointing)."""
     compile: bool = False
     """torch.compile the model (not on XLA, which compiles graphs itself)."""
+    early_stopping_patience: Optional[int] = _bounded(None, gt=0)
+    """Stop after this many evaluations in a row without improving ``eval.metric``."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: Optional[int] = _bounded(None, gt=0)
+    """Evaluate every this many optimizer steps instead of after every epoch (and always at the end)."""
+    metric: Optional[str] = None
+    """Metric that picks the best model (loss, accuracy, f1): model/ then holds the best, not the last."""
+    greater_is_better: Optional[bool] = None
+    """Whether a larger ``metric`` is better; default: false for loss, true otherwise."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = _bounded(None, gt=0)
+    """Save a resumable checkpoint every this many optimizer steps under output_dir/checkpoints/step_N."""
+    every_epoch: bool = False
+    """Also save one at the end of every epoch."""
+    keep_last: int = _bounded(2, ge=1)
+    """Keep the newest this many checkpoints (plus the best model's, when eval.metric is set)."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in output_dir if there is one; never; or a path."""
 
 
 @dataclass
@@ -197,6 +221,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
@@ -377,6 +403,10 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 or b > d.max_length for b in d.pad_buckets)):
         problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of lengths in 1..data.max_length "
                         f"({d.max_length})")
+    if cfg.eval.metric is not None and cfg.eval.metric not in ("loss", "accuracy", "f1"):
+        problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of the task; use loss, accuracy or f1")
+    if cfg.train.early_stopping_patience and cfg.eval.metric is None:
+        problems.append("train.early_stopping_patience needs eval.metric (the metric that must keep improving)")
     o = cfg.optim
     if o.lr is None and not (o.name == "adafactor" and o.relative_step):
         problems.append("optim.lr: null is only allowed with optim.name=adafactor and optim.relative_step=true")

@@ -280,6 +280,12 @@ def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
     return [t.cpu().numpy() for t in tensors]
 
 
+def preemption_check_interval(accelerator: Accelerator, log_every: int) -> int:
+    """Optimizer steps between checks for a stop signal. Several processes must agree (a tiny all-reduce);
+    on XLA that would be a host sync every step, so they check only when they log anyway."""
+    return log_every if _on_xla(accelerator) and accelerator.num_processes > 1 else 1
+
+
 def xla_stats(accelerator: Accelerator) -> Optional[Dict[str, float]]:
     """Compilation and execution counters from torch_xla.debug.metrics; None off XLA."""
     if not _on_xla(accelerator):

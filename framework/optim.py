@@ -1,28 +1,134 @@
-"""Optimizers and learning-rate schedules by name."""
+"""Optimizers, their parameter groups, and learning-rate schedules, by recipe name."""
 
 from __future__ import annotations
 
 import math
+import re
+from typing import List
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
 
 from framework.config import OptimConfig
+from framework.errors import UserError
+
+BITSANDBYTES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit", "lion": "Lion"}
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
-    """Decay matrices (weights, embeddings) but not vectors (biases, LayerNorm scales)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> List[dict]:
+    """Trainable parameters split by ``optim.param_groups`` (first matching pattern wins, the rest go to the
+    default group), then each split again: matrices (weights, embeddings) decay, vectors (biases, LayerNorm
+    scales) never do, since decaying them only pulls activations' scale and offset towards zero. The default
+    group comes first, so the learning rate the loop logs (group 0's) is ``optim.lr``'s schedule."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    patterns = [re.compile(group.pattern) for group in cfg.param_groups]
+    claimed: List[list] = [[] for _ in range(len(patterns) + 1)]  # [default group, then one per pattern]
+    matched = [False] * len(patterns)
+    for name, p in named:
+        hits = [i for i, pattern in enumerate(patterns) if pattern.search(name)]
+        for i in hits:
+            matched[i] = True
+        claimed[hits[0] + 1 if hits else 0].append(p)
+    for i, group in enumerate(cfg.param_groups):
+        if not matched[i]:
+            raise UserError(f"optim.param_groups[{i}].pattern: {group.pattern!r} matches no trainable parameter; "
+                            f"parameter names look like {_examples([name for name, _ in named])}")
+        if not claimed[i + 1]:
+            raise UserError(f"optim.param_groups[{i}].pattern: {group.pattern!r} only matches parameters that an "
+                            "earlier group already takes (the first match wins); make it more specific or move it up")
+        if group.lr is not None and cfg.relative_step:
+            raise UserError(f"optim.param_groups[{i}].lr: Adafactor's relative-step mode sets its own learning "
+                            "rate; remove the group's lr or set optim.relative_step=false")
+    settings = [(None, None)] + [(g.lr, g.weight_decay) for g in cfg.param_groups]
+    groups = []
+    for params, (lr, weight_decay) in zip(claimed, settings):
+        own_lr = {} if lr is None else {"lr": lr}
+        decay = cfg.weight_decay if weight_decay is None else weight_decay
+        groups.append({"params": [p for p in params if p.ndim >= 2], "weight_decay": decay, **own_lr})
+        groups.append({"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, **own_lr})
+    return [group for group in groups if group["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+def _examples(names: List[str]) -> str:
+    """Up to five names spread over the model, so the message shows its naming scheme from end to end."""
+    if not names:
+        return "nothing: the model has no trainable parameters"
+    return ", ".join(repr(names[i]) for i in sorted({i * (len(names) - 1) // 4 for i in range(5)}))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer ``optim.name`` over ``param_groups``. ``device_type`` is where the parameters will train
+    (``accelerator.device.type``): the model may still be on the CPU here, before ``accelerator.prepare``."""
+    groups = param_groups(model, cfg)
+    betas = tuple(cfg.betas)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **_adamw_kernel(device_type))
+    if cfg.name == "sgd":
+        if cfg.nesterov and cfg.momentum == 0:
+            raise UserError("optim.nesterov: Nesterov SGD needs momentum; set optim.momentum > 0 "
+                            "or optim.nesterov=false")
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    if cfg.name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        if cfg.relative_step:
+            return Adafactor(groups, lr=None, relative_step=True, scale_parameter=True, warmup_init=False)
+        return Adafactor(groups, lr=cfg.lr, relative_step=False, scale_parameter=False)
+    return _bitsandbytes(cfg, groups, device_type)
+
+
+def _adamw_kernel(device_type: str) -> dict:
+    """One fused kernel per step on CUDA; one multi-tensor op per state on the CPU instead of one op per
+    parameter. Elsewhere (XLA compiles the step itself, MPS, ...) torch's own default."""
+    if device_type == "cuda":
+        return {"fused": True}
+    if device_type == "cpu":
+        return {"foreach": True}
+    return {}
+
+
+def _bitsandbytes(cfg: OptimConfig, groups: List[dict], device_type: str) -> torch.optim.Optimizer:
+    """bitsandbytes optimizers, imported only when asked for: the package is optional, and its kernels
+    exist for CUDA and the CPU but not XLA. The paged variant falls back to plain buffers on the CPU."""
+    if device_type == "xla":
+        raise UserError(f"optim.name: {cfg.name} (bitsandbytes) has no XLA kernels; use optim.name=adamw "
+                        "or optim.name=adafactor on XLA")
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except ImportError:
+        raise UserError(f"optim.name: {cfg.name} needs bitsandbytes, which is not installed; "
+                        "`pip install bitsandbytes` or choose optim.name=adamw") from None
+    optimizer_class = getattr(bnb_optim, BITSANDBYTES[cfg.name])
+    if cfg.name == "lion":
+        return optimizer_class(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    return optimizer_class(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(cfg.warmup_ratio * total_steps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LRScheduler:
+    """``optim.scheduler`` after ``warmup_steps`` linear warmup; the loop calls ``step()`` once per optimizer
+    step and logs ``get_last_lr()[0]``."""
+    warmup = warmup_steps(cfg, total_steps)
+    if cfg.scheduler == "constant" and warmup:
+        raise UserError(f"optim.scheduler: constant has no warmup, but {warmup} warmup steps were asked for; use "
+                        "optim.scheduler=constant_with_warmup, or optim.warmup_ratio=0 and optim.warmup_steps=null")
+    if cfg.relative_step:
+        return RelativeStepSchedule(optimizer)
     return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+class RelativeStepSchedule(LRScheduler):
+    """Reports the step size Adafactor chooses for itself in relative-step mode, min(1e-2, 1/sqrt(step)),
+    before Adafactor scales it by each parameter's RMS. Adafactor ignores a group's ``lr`` in this mode, so
+    writing it back is harmless. transformers' ``AdafactorSchedule`` cannot serve here: it reads gradients,
+    which the loop has zeroed before it steps the schedule, and calls a method the accelerate wrapper lacks.
+    Computed from the step count alone, it never reads a device tensor (no host sync on XLA)."""
+
+    def get_lr(self) -> List[float]:
+        step = self.last_epoch  # the loop steps the schedule once per optimizer step
+        size = min(1e-2, 1.0 / math.sqrt(step)) if step > 0 else 0.0
+        return [size for _ in self.optimizer.param_groups]

@@ -6,7 +6,7 @@ import math
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, Optional
@@ -28,13 +28,19 @@ from framework.tasks import get_task
 
 @dataclass
 class TrainState:
-    """Counters shared by the loop and checkpointing."""
+    """Counters shared by the loop and checkpointing (saved as JSON in every checkpoint)."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
+    epoch_step: int = 0  # optimizer steps done in the current epoch: where a resumed epoch continues
     last_loss: Optional[float] = None  # mean training loss of the latest log window
-    tokens: int = 0  # non-padding tokens trained on, all processes
+    tokens: int = 0  # non-padding tokens trained on, all processes, up to the latest checkpoint
     evals: list = field(default_factory=list)
+    best_step: Optional[int] = None  # the step whose model is in model/ when eval.metric is set
+    best_value: Optional[float] = None
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+    window: Optional[dict] = None  # the unlogged part of the loss window, at the checkpoint
 
 
 @dataclass
@@ -52,12 +58,13 @@ class Run:
     total_steps: int
     plan: Dict[str, object]
     compile_watch: device.CompileWatch
+    resume_from: Optional[Path]
 
 
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
     # Cheap checks first, so a mistake is reported before any slow work.
-    checkpoint.check_output_dir(cfg)
+    resume_from, skipped = checkpoint.start_point(cfg)
     data.check_files(cfg.data)
     hub.check_model_path(cfg.model.name_or_path)
     task = get_task(cfg.task)
@@ -80,9 +87,11 @@ def setup(cfg: RunConfig) -> Run:
     buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator))
     # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
     sampler = data.train_sampler(train_ds, cfg.data, t.batch_size, cfg.seed)
+    # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
+    # state a checkpoint restores for dropout.
     train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=sampler is None, sampler=sampler,
                           drop_last=True, collate_fn=data.collator(tokenizer, buckets),
-                          num_workers=cfg.data.num_workers)
+                          num_workers=cfg.data.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
     eval_rows = t.eval_batch_size or 2 * t.batch_size
     eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
@@ -113,12 +122,13 @@ def setup(cfg: RunConfig) -> Run:
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "epochs": round(total_steps / steps_per_epoch, 3),
-        "notes": device.notes(cfg, accelerator),
+        "resume_from": str(resume_from) if resume_from else None,
+        "notes": device.notes(cfg, accelerator) + skipped,
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
-               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs))
+               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), resume_from)
 
 
 class LossWindow:
@@ -147,30 +157,52 @@ class LossWindow:
     def total_tokens(self) -> int:
         return int(device.read_scalar(self.accelerator, self.tokens, "sum"))
 
+    def snapshot(self) -> dict:
+        """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
+        processes: restored on every process, the next logged mean is the same."""
+        return {"loss_sum": device.read_scalar(self.accelerator, self.loss_sum, "mean"),
+                "micro_steps": self.micro_steps}
+
+    def restore(self, snapshot: Optional[dict]) -> None:
+        if snapshot:
+            self.loss_sum = self.loss_sum + snapshot["loss_sum"]
+            self.micro_steps = snapshot["micro_steps"]
+
 
 def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
-    """Train until ``total_steps`` optimizer steps are done, evaluating after every whole epoch."""
+    """Train until ``total_steps`` optimizer steps are done (or early stopping), evaluating after every
+    whole epoch or every ``eval.every_steps``. Raises Preempted after saving on SIGTERM/SIGINT."""
     cfg = run.cfg
     window = LossWindow(run.accelerator)
+    window.restore(state.window)
     run.model.train()
     # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
     k = cfg.distributed.local_sgd_steps
     local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
-    with local_sgd or nullcontext():
-        while state.step < run.total_steps:
-            if _train_epoch(run, reporter, state, window, local_sgd):
-                _log_eval(run, reporter, state)
+    with local_sgd or nullcontext(), checkpoint.Preemption() as preemption:
+        while state.step < run.total_steps and not state.stopped_early:
+            if _train_epoch(run, reporter, state, window, local_sgd, preemption):
+                state.epoch, state.epoch_step = state.epoch + 1, 0
+                if cfg.eval.every_steps is None:
+                    _log_eval(run, reporter, state)
+                if cfg.checkpoint.every_epoch:
+                    _save_checkpoint(run, state, window)
     state.tokens += window.total_tokens()
 
 
 def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
-                 local_sgd: Optional[LocalSGD]) -> bool:
-    """One pass over the training batches (or until the last step); returns whether the epoch completed."""
+                 local_sgd: Optional[LocalSGD], preemption: checkpoint.Preemption) -> bool:
+    """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
-    micro_per_epoch = run.steps_per_epoch * cfg.train.gradient_accumulation_steps
-    run.train_dl.set_epoch(state.epoch)
-    completed = True
-    for micro, batch in enumerate(run.train_dl):
+    accum = cfg.train.gradient_accumulation_steps
+    micro_per_epoch = run.steps_per_epoch * accum
+    done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
+    batches = acc.skip_first_batches(run.train_dl, done) if done else run.train_dl
+    # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
+    # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
+    batches.set_epoch(state.epoch)
+    check_every = device.preemption_check_interval(acc, cfg.train.log_every)
+    for micro, batch in enumerate(batches, start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
         with acc.accumulate(model):
@@ -187,14 +219,26 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if local_sgd is not None:
             local_sgd.step()
         state.step += 1
+        state.epoch_step += 1
+        reporter.step()
         if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
             _log_train(run, reporter, state, window)
-        reporter.step()
-        if state.step >= run.total_steps:
-            completed = micro == micro_per_epoch - 1
-            break
-    state.epoch += 1
-    return completed
+        if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+            _log_eval(run, reporter, state)
+        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+            _save_checkpoint(run, state, window)
+        if state.step % check_every == 0 and preemption.requested(acc):
+            _save_checkpoint(run, state, window)
+            raise checkpoint.Preempted(f"stopped by signal {preemption.signal} after step {state.step}; "
+                                       f"checkpoint saved, run the same command again to resume")
+        if state.step >= run.total_steps or state.stopped_early:
+            return micro == micro_per_epoch - 1
+    return True
+
+
+def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
+    saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.total_tokens())
+    checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step)
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
@@ -209,9 +253,26 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
 
 
 def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
+    """Evaluate; with eval.metric, keep the best model in model/ and count evaluations without progress."""
     results = evaluate(run)
     state.evals.append({"step": state.step, **results})
     reporter.log({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in results.items()}})
+    metric = run.cfg.eval.metric
+    if metric is None:
+        return
+    greater = run.cfg.eval.greater_is_better
+    greater = metric != "loss" if greater is None else greater
+    value = results[metric]
+    if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
+        state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
+        checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model")
+        return
+    state.evals_without_improvement += 1
+    patience = run.cfg.train.early_stopping_patience
+    if patience and state.evals_without_improvement >= patience:
+        state.stopped_early = True
+        reporter.print(f"early stopping at step {state.step}: eval {metric} has not improved for {patience} "
+                       f"evaluations (best {state.best_value:.4g} at step {state.best_step})")
 
 
 def evaluate(run: Run) -> Dict[str, float]:
@@ -255,33 +316,46 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
     if dry_run:
         return None
 
+    state = TrainState()
+    if run.resume_from is not None:
+        state = TrainState(**checkpoint.load(acc, run.resume_from))
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        checkpoint.clear_previous_outputs(out)
+        if cfg.overwrite:
+            checkpoint.clear_previous_outputs(out)
+        if run.resume_from is not None:
+            checkpoint.truncate_metrics(out, state.step)
+            print(f"resuming from {run.resume_from}: step {state.step}, epoch {state.epoch} "
+                  f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
     acc.wait_for_everyone()
     if cfg.report_to:
         acc.init_trackers("framework", config={"recipe": to_yaml(cfg)})
 
-    state = TrainState()
-    reporter = Reporter(acc, out, run.total_steps)
+    first_step, first_tokens = state.step, state.tokens
+    reporter = Reporter(acc, out, run.total_steps, initial_step=state.step)
     fit_start = time.perf_counter()
-    fit(run, reporter, state)
+    try:
+        fit(run, reporter, state)
+    finally:
+        reporter.close()
     fit_seconds = time.perf_counter() - fit_start
-    reporter.close()
     if not state.evals or state.evals[-1]["step"] != state.step:
         _log_eval(run, reporter, state)
+    if cfg.eval.metric is None:  # otherwise model/ already holds the best model
+        checkpoint.save_model(acc, run.model, run.tokenizer, out / "model")
 
-    checkpoint.save_model(acc, run.model, run.tokenizer, out / "model")
-    samples = state.step * run.plan["effective_batch"]
+    samples = (state.step - first_step) * run.plan["effective_batch"]  # trained by this invocation
     summary = {
         "train": {
             "steps": state.step,
-            "samples": samples,
+            "samples": state.step * run.plan["effective_batch"],
             "loss": state.last_loss,
             "samples_per_second": samples / fit_seconds,
-            "tokens_per_second": state.tokens / fit_seconds,
+            "tokens_per_second": (state.tokens - first_tokens) / fit_seconds,
             "wall_seconds": fit_seconds,
+            "resumed_from_step": first_step or None,
+            "stopped_early": state.stopped_early,
         },
         "eval": {k: v for k, v in state.evals[-1].items() if k != "step"},
         "backend": run.plan["backend"],
@@ -292,6 +366,8 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
                                   device.peak_memory_bytes(acc)),
         "wall_seconds": time.perf_counter() - started,
     }
+    if cfg.eval.metric is not None:
+        summary["best"] = {"step": state.best_step, "metric": cfg.eval.metric, "value": state.best_value}
     xla = device.xla_stats(acc)
     if xla is not None:
         summary["xla"] = {**xla, "warning": run.compile_watch.warning}

@@ -1,0 +1,139 @@
+"""Checkpoints never lose work: exact resume after SIGKILL (1 and 2 processes, inside an accumulation
+window), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model, early stopping."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, RUN, read_metrics, tiny_args
+
+KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
+# 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
+COMMON = ["train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10", "checkpoint.keep_last=3"]
+
+
+def env(hf_home, **extra):
+    return {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+def launch_cmd(script: Path, launch: str):
+    if launch is None:
+        return [sys.executable, str(script)]
+    return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+            str(ROOT / "accelerate_configs" / launch), str(script)]
+
+
+def crash_then_resume(hf_home, args, kill_at_micro, launch=None):
+    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end."""
+    proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch) + args, cwd=ROOT, capture_output=True, text=True,
+                          env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
+    assert proc.returncode != 0, "the run should have been killed"
+    resumed = subprocess.run(launch_cmd(RUN, launch) + args, cwd=ROOT, capture_output=True, text=True,
+                             env=env(hf_home), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
+def losses_by_step(out: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def assert_bitwise_equal_models(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.parametrize("case,extra,kill_at,launch", [
+    ("one_process", [], 53, None),
+    ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
+    ("two_processes", ["train.batch_size=4", "backend=cpu"], 53, "cpu_ddp.yaml"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_path, case, extra, kill_at, launch):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cli(tiny_args(tiny_model, easy_data, whole, *COMMON, *extra), launch=launch)
+    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *COMMON, *extra), kill_at, launch)
+    assert "resuming from" in proc.stdout and "step_50" in proc.stdout
+    assert_bitwise_equal_models(whole, resumed)
+    expected, got = losses_by_step(whole), losses_by_step(resumed)
+    assert got == expected  # every logged loss, before and after the resume point, to the last bit
+    assert json.loads((resumed / "summary.json").read_text())["train"]["resumed_from_step"] == 50
+
+
+def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, easy_data, hf_home, tmp_path):
+    args = ["train.max_steps=300", "train.epochs=10", "train.log_every=1"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    cli(tiny_args(tiny_model, easy_data, whole, *args))
+    proc = subprocess.Popen([sys.executable, str(RUN), *tiny_args(tiny_model, easy_data, stopped, *args)], cwd=ROOT,
+                            env=env(hf_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (stopped / "metrics.jsonl").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)  # some steps in
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-3000:]
+    assert "preempted" in err and "Traceback" not in err
+    last = max(r["step"] for r in read_metrics(stopped))
+    assert 0 < last < 300
+    assert (stopped / "checkpoints" / f"step_{last}" / "trainer_state.json").is_file()
+    cli(tiny_args(tiny_model, easy_data, stopped, *args))
+    assert_bitwise_equal_models(whole, stopped)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_checkpoint_is_skipped_with_a_warning(cli, tiny_model, easy_data, hf_home, tmp_path, damage):
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    args = tiny_args(tiny_model, easy_data, out, *COMMON)
+    cli(tiny_args(tiny_model, easy_data, whole, *COMMON))
+    proc = subprocess.run([sys.executable, str(KILL_SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env(hf_home, KILL_AT_MICRO="53"), timeout=600)
+    assert proc.returncode != 0
+    victim = out / "checkpoints" / "step_50" / "optimizer.bin"
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:100])
+    else:
+        victim.unlink()
+    resumed = cli(args)
+    assert f"skipping checkpoint {out / 'checkpoints' / 'step_50'}: optimizer.bin is" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "step_40" in resumed.stdout
+    assert_bitwise_equal_models(whole, out)
+
+
+def test_keep_last_keeps_the_newest_and_the_best(cli, tiny_model, easy_data, tmp_path):
+    out = tmp_path / "out"
+    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=40", "checkpoint.every_steps=5", "checkpoint.keep_last=2",
+                  "eval.every_steps=5", "eval.metric=loss"))
+    summary = json.loads((out / "summary.json").read_text())
+    best = summary["best"]["step"]
+    kept = {p.name for p in (out / "checkpoints").iterdir()}
+    assert kept == {"step_35", "step_40", f"step_{best}"}
+    assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
+
+
+def test_early_stopping_and_best_model(cli, tiny_model, easy_data, tmp_path):
+    out = tmp_path / "out"
+    # A learning rate this small leaves the accuracy where it starts: the metric stalls after the first eval.
+    cli(tiny_args(tiny_model, easy_data, out, "optim.lr=1e-12", "train.max_steps=100", "eval.every_steps=5",
+                  "eval.metric=accuracy", "train.early_stopping_patience=2"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train"]["stopped_early"] and summary["train"]["steps"] == 15
+    assert summary["best"] == {"step": 5, "metric": "accuracy", "value": summary["best"]["value"]}
+    assert [r["step"] for r in read_metrics(out) if "eval_accuracy" in r] == [5, 10, 15]
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_finished_run(cli, tiny_model, easy_data, tmp_path):
+    out = tmp_path / "out"
+    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"))
+    proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"), check=False)
+    assert proc.returncode == 2 and "already finished" in proc.stderr

@@ -1,0 +1,211 @@
+"""The memory plan against hand-computed numbers and against what the optimizers really hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework import memory
+from framework.config import DistributedConfig, OptimConfig, RunConfig
+from framework.optim import build_optimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+
+# The small model below, by hand:
+#   Linear(64, 128): weight (128, 64) = 8192, bias 128; LayerNorm(128): 128 + 128; Linear(128, 4): (4, 128) = 512, 4
+PARAMS = 8192 + 128 + 128 + 128 + 512 + 4  # 9092
+VECTOR_ELEMENTS = 128 + 128 + 128 + 4  # 388
+STATE = {
+    "adamw": 8 * PARAMS,  # 72736: two fp32 moments
+    # 8-bit only for tensors of 4096+ elements: the first weight, 1 byte per moment + two fp32 scales per
+    # 256-element block; the others keep two fp32 moments.
+    "adamw_8bit": (2 * 8192 + 2 * 4 * (8192 // 256)) + 8 * (PARAMS - 8192),  # 16640 + 7200 = 23840
+    "paged_adamw_8bit": 23840,
+    "lion": 4 * PARAMS,  # 36368: one fp32 momentum
+    "sgd": 4 * PARAMS,  # momentum buffer
+    # Row + column statistics for the matrices, a full second moment for the vectors.
+    "adafactor": 4 * (128 + 64) + 4 * (4 + 128) + 4 * VECTOR_ELEMENTS,  # 768 + 528 + 1552 = 2848
+}
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Tanh(),
+                               torch.nn.Linear(128, 4))
+
+
+def tiny_bert(**overrides) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    settings = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                    max_position_embeddings=32, num_labels=2)
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
+
+
+def recipe(**optim) -> RunConfig:
+    cfg = RunConfig()
+    cfg.optim = OptimConfig(**optim)
+    return cfg
+
+
+@pytest.mark.parametrize("name", list(STATE))
+def test_single_device_plan_by_hand(name):
+    plan = memory.plan(small_model(), recipe(name=name), num_processes=1)
+    assert (plan["parameters"], plan["trainable_parameters"]) == (PARAMS, PARAMS)
+    assert (plan["weight_bytes"], plan["gradient_bytes"]) == (4 * PARAMS, 4 * PARAMS)
+    assert plan["optimizer_state_bytes"] == STATE[name]
+    assert plan["activation_bytes"] is None  # not a transformer: no estimate, and none in the total
+    assert plan["total_bytes"] == 8 * PARAMS + STATE[name]
+
+
+def test_sgd_without_momentum_has_no_state():
+    assert memory.plan(small_model(), recipe(name="sgd", momentum=0.0), 1)["optimizer_state_bytes"] == 0
+
+
+def test_frozen_parameters_have_weights_but_no_gradients_or_state():
+    model = small_model()
+    model[0].requires_grad_(False)
+    plan = memory.plan(model, recipe(), 1)
+    trainable = PARAMS - 8192 - 128
+    assert (plan["trainable_parameters"], plan["weight_bytes"]) == (trainable, 4 * PARAMS)
+    assert (plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (4 * trainable, 8 * trainable)
+
+
+def test_zero2_shards_gradients_and_state_over_4():
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="deepspeed")
+    cfg.distributed.deepspeed.zero_stage = 2
+    plan = memory.plan(small_model(), cfg, num_processes=4)
+    assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 9092, 18184)
+    assert plan["sharded"] == ["gradients", "optimizer_state"]
+
+
+def test_zero2_bf16_keeps_16_bit_copies_and_an_fp32_master():
+    cfg = recipe()
+    cfg.precision = "bf16"
+    cfg.distributed = DistributedConfig(strategy="deepspeed")
+    plan = memory.plan(small_model(), cfg, num_processes=4)
+    # weights 2 bytes; gradients 2 bytes / 4; Adam moments 8 + master weights 4 bytes, / 4
+    assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (18184, 4546, 27276)
+
+
+def test_fsdp_full_shard_divides_everything_by_4():
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="fsdp")
+    plan = memory.plan(small_model(), cfg, num_processes=4)
+    assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (9092, 9092, 18184)
+    assert plan["total_bytes"] == 9092 + 9092 + 18184
+
+
+def test_ddp_replicates_everything():
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="ddp")
+    plan = memory.plan(small_model(), cfg, num_processes=4)
+    assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 36368, 72736)
+
+
+@pytest.mark.parametrize("strategy, setting, value, sharded", [
+    ("deepspeed", "zero_stage", 0, []),
+    ("deepspeed", "zero_stage", 1, ["optimizer_state"]),
+    ("deepspeed", "zero_stage", 3, ["gradients", "optimizer_state", "weights"]),
+    ("fsdp", "sharding_strategy", "SHARD_GRAD_OP", ["gradients", "optimizer_state"]),
+    ("fsdp", "sharding_strategy", "NO_SHARD", []),
+])
+def test_what_each_layout_shards(strategy, setting, value, sharded):
+    distributed = DistributedConfig(strategy=strategy)
+    setattr(getattr(distributed, strategy), setting, value)
+    assert sorted(memory.sharded_states(distributed)) == sharded
+
+
+def test_offloaded_states_leave_the_device_total():
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="deepspeed")
+    cfg.distributed.deepspeed.offload_optimizer = "cpu"
+    plan = memory.plan(small_model(), cfg, num_processes=4)
+    assert plan["offloaded"] == ["optimizer_state"]
+    assert plan["total_bytes"] == 36368 + 9092
+    cfg.distributed = DistributedConfig(strategy="fsdp")
+    cfg.distributed.fsdp.offload_params = True
+    assert memory.plan(small_model(), cfg, num_processes=4)["total_bytes"] == 0
+
+
+def test_the_launch_layout_overrides_the_recipe():
+    plan = memory.plan(small_model(), recipe(), 4, distributed=DistributedConfig(strategy="fsdp"))
+    assert plan["weight_bytes"] == 9092
+
+
+def test_activation_estimate_by_hand():
+    # b=4, s=16, h=32, i=64, a=2: b*s*h = 2048, b*s*i = 4096, b*a*s*s = 2048.
+    # fp32, per layer: 4 * (8*2048 + 2*4096 + 2*2048) + (2*2048 + 2048) = 114688 + 6144 = 120832.
+    config = tiny_bert().config
+    assert memory.activation_estimate(config, 4, 16, 4, checkpointing=False) == 2 * 120832
+    # bf16: 2 * 28672 + 6144 = 63488 per layer.
+    assert memory.activation_estimate(config, 4, 16, 2, checkpointing=False) == 2 * 63488
+    # Checkpointing: each layer's input (4 * 2048) plus one layer recomputed.
+    assert memory.activation_estimate(config, 4, 16, 4, checkpointing=True) == 2 * 4 * 2048 + 120832
+    assert memory.activation_estimate(object(), 4, 16, 4, checkpointing=False) is None
+
+
+def test_activation_estimate_is_korthikanti_for_16_bit_and_4h():
+    b, s, h, a = 8, 64, 32, 4
+    config = tiny_bert(hidden_size=h, num_attention_heads=a, intermediate_size=4 * h, num_hidden_layers=1).config
+    assert memory.activation_estimate(config, b, s, 2, checkpointing=False) == 34 * s * b * h + 5 * a * s * s * b
+
+
+def test_plan_uses_the_recipe_batch_length_precision_and_checkpointing():
+    cfg = recipe()
+    cfg.train.batch_size, cfg.data.max_length, cfg.precision, cfg.train.gradient_checkpointing = 4, 16, "no", True
+    model = tiny_bert()
+    plan = memory.plan(model, cfg, 1)
+    assert plan["activation_bytes"] == 2 * 4 * 2048 + 120832
+    assert plan["total_bytes"] == plan["weight_bytes"] + plan["gradient_bytes"] + plan["optimizer_state_bytes"] + \
+        plan["activation_bytes"]
+    cfg.train.gradient_checkpointing, cfg.precision = False, "bf16"
+    assert memory.plan(model, cfg, 1)["activation_bytes"] == 2 * 63488
+
+
+def test_adamw_plan_is_within_5_percent_of_the_measured_state():
+    model = tiny_bert()
+    cfg = recipe(name="adamw", lr=1e-3)
+    optimizer = build_optimizer(model, cfg.optim, "cpu")
+    model(input_ids=torch.tensor([[2, 7, 9, 3]]), labels=torch.tensor([1])).loss.backward()
+    optimizer.step()
+    measured = memory.optimizer_state_bytes(optimizer)
+    planned = memory.plan(model, cfg, 1)["optimizer_state_bytes"]
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("name", list(STATE))
+def test_state_estimate_matches_the_optimizers_own_tensors(name):
+    """Exact up to what the estimate leaves out on purpose: torch's 4-byte step counter and Adafactor's RMS
+    per tensor, and bitsandbytes' two shared 256-entry quantization maps."""
+    model = small_model()
+    optimizer = build_optimizer(model, OptimConfig(name=name, lr=1e-3), "cpu")
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    extra = {"adamw": 4 * 6, "adafactor": 4 * 6, "adamw_8bit": 2 * 256 * 4, "paged_adamw_8bit": 2 * 256 * 4}
+    assert memory.optimizer_state_bytes(optimizer) == STATE[name] + extra.get(name, 0)
+
+
+def test_format_plan_is_short_and_in_mib():
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="deepspeed")
+    cfg.distributed.deepspeed.offload_optimizer = "cpu"
+    text = memory.format_plan(memory.plan(tiny_bert(), cfg, 4))
+    lines = text.splitlines()
+    assert lines[0].startswith("memory plan per device") and len(lines) == 7
+    assert "gradients: " in text and "(sharded over 4)" in lines[3]
+    assert "optimizer state (adamw): " in lines[4] and "(sharded over 4, on the host)" in lines[4]
+    assert "activations: " in lines[5] and "batch 32 x 128 tokens" in lines[5]
+    assert lines[6].startswith("  total on the device: ") and lines[6].endswith(" MiB")
+    assert "unknown" in memory.format_plan(memory.plan(small_model(), recipe(), 1))
+
+
+def test_capacity_warning_only_when_the_plan_exceeds_the_device():
+    plan = memory.plan(tiny_bert(), recipe(), 1)
+    assert memory.capacity_warning(plan, None) is None
+    assert memory.capacity_warning(plan, plan["total_bytes"]) is None
+    warning = memory.capacity_warning(plan, plan["total_bytes"] // 2)
+    assert "per device, more than the device's" in warning and "(activations " in warning
+    assert "train.batch_size" in warning and "train.gradient_checkpointing=true" in warning
