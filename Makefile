@@ -29,6 +29,11 @@ run: install
 
 test: test-cpu test-xla
 
+# Benchmarks print ratios measured side by side in one run (CPU here; pass --device gpu on a GPU machine).
+bench: install
+	$(BIN)/python benchmarks/options.py
+	$(BIN)/python benchmarks/compare_loops.py
+
 test-cpu: install
 	$(BIN)/python -m pytest -m "not xla" tests
 

@@ -190,8 +190,9 @@ class DeepSpeedConfig:
 
 @dataclass
 class DistributedConfig:
-    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
-    """How processes share the work; auto takes what the launch config sets up (DDP when several processes)."""
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed", "xla_spmd"] = "auto"
+    """How processes share the work; auto takes what the launch config sets up (DDP when several processes).
+    xla_spmd: one process drives every XLA device, each batch sharded over them on a data axis (SPMD)."""
     num_processes: Optional[int] = _bounded(None, gt=0)
     """The number of processes this recipe expects; the run refuses to start with any other number."""
     local_sgd_steps: Optional[int] = _bounded(None, gt=0)

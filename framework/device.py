@@ -33,6 +33,38 @@ def select_backend(cfg: RunConfig) -> None:
         os.environ["USE_TORCH_XLA"] = "0"
 
 
+# The SPMD device mesh (one 'data' axis over every XLA device) when distributed.strategy is xla_spmd.
+_spmd_mesh = None
+
+
+def _start_spmd() -> None:
+    """SPMD must be switched on before the XLA runtime starts, i.e. before the Accelerator exists."""
+    global _spmd_mesh
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    _spmd_mesh = xs.Mesh(np.arange(devices), (devices, 1), ("data", "model"))
+
+
+def spmd_devices() -> int:
+    """Devices one process's batch is sharded over: all XLA devices under SPMD, else 1."""
+    return 1 if _spmd_mesh is None else int(_spmd_mesh.size())
+
+
+def shard_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Under SPMD, split every batch tensor over the devices along its first (batch) dimension; the
+    parameters stay replicated and the compiler adds the gradient all-reduce."""
+    if _spmd_mesh is not None:
+        import torch_xla.distributed.spmd as xs
+
+        for tensor in batch.values():
+            xs.mark_sharding(tensor, _spmd_mesh, ("data",) + (None,) * (tensor.dim() - 1))
+    return batch
+
+
 def has_xla() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
@@ -60,6 +92,8 @@ def check(cfg: RunConfig) -> None:
         if not any(importlib.util.find_spec(m) for m in ("transformer_engine", "torchao", "msamp")):
             raise UserError("precision: fp8 needs transformer_engine, torchao or msamp installed; "
                             "install one (e.g. `pip install torchao`) or use precision=bf16")
+    if strategy == "xla_spmd" and not (xla and has_xla()):
+        raise UserError(f"distributed.strategy: xla_spmd needs backend=xla and torch_xla; {XLA_INSTALL}")
     if strategy in ("fsdp", "deepspeed"):
         if backend == "cpu" or not cuda:
             raise UserError(f"distributed.strategy: {strategy} needs CUDA GPUs (accelerate would silently "
@@ -70,7 +104,7 @@ def check(cfg: RunConfig) -> None:
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
                         "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
-    if cfg.distributed.local_sgd_steps and (xla or strategy in ("fsdp", "deepspeed")):
+    if cfg.distributed.local_sgd_steps and (xla or strategy in ("fsdp", "deepspeed", "xla_spmd")):
         where = "XLA" if xla else strategy
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
                         "(only plain data parallel on CPUs and GPUs); remove the key or use strategy=ddp")
@@ -127,6 +161,8 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     check(cfg)
+    if cfg.distributed.strategy == "xla_spmd":
+        _start_spmd()
     try:
         accelerator = Accelerator(
             cpu=cfg.backend == "cpu",
@@ -185,6 +221,8 @@ def strategy_name(accelerator: Accelerator) -> str:
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
     if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
+    if spmd_devices() > 1:
+        return f"xla spmd (batch sharded over {spmd_devices()} devices)"
     if accelerator.num_processes > 1:
         return "xla data parallel" if kind == "XLA" else "ddp"
     return "single process"
@@ -333,6 +371,13 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dic
     if accelerator.distributed_type == "XLA":
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
     return state_dict
+
+
+def total_memory_bytes(accelerator: Accelerator) -> Optional[int]:
+    """The device's memory when it is known (CUDA); None elsewhere."""
+    if accelerator.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(accelerator.device).total_memory)
+    return None
 
 
 def peak_memory_bytes(accelerator: Accelerator) -> int:

@@ -59,6 +59,7 @@ class Run:
     plan: Dict[str, object]
     compile_watch: device.CompileWatch
     resume_from: Optional[Path]
+    memory_plan: Dict[str, object]
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -79,21 +80,24 @@ def setup(cfg: RunConfig) -> Run:
         eval_ds = data.tokenize(splits.eval, tokenizer, cfg.data)
 
     t = cfg.train
-    per_step = t.batch_size * t.gradient_accumulation_steps * accelerator.num_processes
+    # Under SPMD one process feeds every device: its loader batch holds every device's examples.
+    replicas = accelerator.num_processes * device.spmd_devices()
+    loader_batch = t.batch_size * device.spmd_devices()
+    per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     if len(train_ds) < per_step:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
                         f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
-                        f"{accelerator.num_processes} processes = {per_step}); lower train.batch_size")
+                        f"{replicas} devices = {per_step}); lower train.batch_size")
     buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator))
     # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
-    sampler = data.train_sampler(train_ds, cfg.data, t.batch_size, cfg.seed)
+    sampler = data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed)
     # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
     # state a checkpoint restores for dropout.
-    train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=sampler is None, sampler=sampler,
+    train_dl = DataLoader(train_ds, batch_size=loader_batch, shuffle=sampler is None, sampler=sampler,
                           drop_last=True, collate_fn=data.collator(tokenizer, buckets),
                           num_workers=cfg.data.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
-    eval_rows = t.eval_batch_size or 2 * t.batch_size
+    eval_rows = (t.eval_batch_size or 2 * t.batch_size) * device.spmd_devices()
     eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
     eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers)
     if device.model_checkpointing(cfg):
@@ -104,6 +108,7 @@ def setup(cfg: RunConfig) -> Run:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = device.place_model(accelerator, model)
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
+    memory_plan = memory.plan(model, cfg, accelerator.num_processes)  # before prepare() shards anything
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
 
     steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
@@ -128,7 +133,8 @@ def setup(cfg: RunConfig) -> Run:
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
-               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), resume_from)
+               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), resume_from,
+               memory_plan)
 
 
 class LossWindow:
@@ -205,6 +211,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     for micro, batch in enumerate(batches, start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
+        batch = device.shard_batch(batch)
         with acc.accumulate(model):
             loss = run.task.train_loss(model, batch)
             acc.backward(loss)
@@ -243,7 +250,7 @@ def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
     state.last_loss, micro_steps, seconds = window.close()
-    speed = micro_steps * run.cfg.train.batch_size * run.accelerator.num_processes / seconds
+    speed = micro_steps * run.plan["effective_batch"] / run.cfg.train.gradient_accumulation_steps / seconds
     reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
                   "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
     reporter.show_loss(state.last_loss)
@@ -284,6 +291,7 @@ def evaluate(run: Run) -> Dict[str, float]:
     parts = defaultdict(list)
     with torch.no_grad():
         for batch in run.eval_dl:
+            batch = device.shard_batch(batch)
             valid = batch.pop("valid", None)
             outputs = run.task.eval_outputs(model, batch)
             if valid is not None:
@@ -313,6 +321,10 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         print(format_plan(run.plan), flush=True)
+        print(memory.format_plan(run.memory_plan), flush=True)
+        warning = memory.capacity_warning(run.memory_plan, device.total_memory_bytes(acc))
+        if warning:
+            print(f"warning: {warning}", flush=True)
     if dry_run:
         return None
 
@@ -364,6 +376,7 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
         "precision": acc.mixed_precision,
         "memory": memory.measured(acc.unwrap_model(run.model), run.optimizer.optimizer,
                                   device.peak_memory_bytes(acc)),
+        "memory_plan": run.memory_plan,
         "wall_seconds": time.perf_counter() - started,
     }
     if cfg.eval.metric is not None:

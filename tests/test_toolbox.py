@@ -96,3 +96,25 @@ def test_recipe_key_turns_on_the_models_checkpointing(tiny_model, easy_data, tmp
                       + ["train.gradient_checkpointing=true"])
     run = setup(cfg)
     assert run.accelerator.unwrap_model(run.model).is_activation_checkpointing
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["backend=xla", "distributed.local_sgd_steps=4"], "distributed.local_sgd_steps: accelerate's LocalSGD does not support XLA"),
+    (["backend=xla", "train.compile=true"], "train.compile: XLA already compiles"),
+    (["optim.name=sgd", "optim.momentum=0", "optim.nesterov=true"], "optim.nesterov"),
+    (["optim.name=adafactor", "optim.relative_step=true"], "optim.relative_step"),
+    (["optim.lr=null"], "optim.lr: null is only allowed with optim.name=adafactor"),
+    (["optim.scheduler=constant", "optim.warmup_steps=3"], "warmup"),
+    (["optim.param_groups=[{pattern: nothing_matches_this}]"], "optim.param_groups[0].pattern"),
+    (["precision=fp8"], "precision: fp8 needs an fp8-capable GPU"),
+    (["train.early_stopping_patience=2"], "train.early_stopping_patience needs eval.metric"),
+    (["eval.metric=bleu"], "eval.metric: 'bleu' is not a metric of the task"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_invalid_combination_is_refused(capsys, monkeypatch, tiny_model, easy_data, tmp_path, overrides, message):
+    from framework import device
+    from framework.cli import main
+
+    monkeypatch.setattr(device, "has_xla", lambda: True)  # lets the XLA refusals speak without torch_xla
+    assert main(tiny_args(tiny_model, easy_data, tmp_path / "out", *overrides)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -65,3 +65,20 @@ def test_gradient_accumulation_on_xla_equals_the_larger_batch(cli, tiny_model, e
     torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]),
                                torch.tensor([r["loss"] for r in read_metrics(accum) if "loss" in r]),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_spmd_over_four_devices_equals_one_device(cli, tiny_model, easy_data, tmp_path, monkeypatch):
+    """Data parallel on several XLA devices without a TPU: SPMD over 4 virtual CPU devices, 2 examples
+    each, against one device with the whole batch of 8."""
+    spmd, single = tmp_path / "spmd", tmp_path / "single"
+    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"]
+    cli(tiny_args(tiny_model, easy_data, single, "train.batch_size=8", *common))
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    proc = cli(tiny_args(tiny_model, easy_data, spmd, "train.batch_size=2", "distributed.strategy=xla_spmd", *common))
+    assert "xla spmd (batch sharded over 4 devices)" in proc.stdout and "effective_batch: 8" in proc.stdout
+    torch.testing.assert_close(torch.tensor(train_losses(spmd)), torch.tensor(train_losses(single)),
+                               rtol=1e-5, atol=1e-6)
+    wa, wb = load_file(spmd / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert summary(spmd)["eval"] == pytest.approx(summary(single)["eval"], rel=1e-5)  # all 40 examples, once

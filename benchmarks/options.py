@@ -1,0 +1,90 @@
+"""Each efficient-training option against the plain run, measured side by side in one invocation.
+
+    .venv/bin/python benchmarks/options.py [--steps 30] [--repeats 1] [--json out.json]
+
+Trains the default recipe for a fixed number of optimizer steps once per option (through the real CLI,
+one process each, alternating the options when repeated) and prints samples per second and peak memory
+relative to the plain run. Throughput is the framework's own `summary.json` figure (optimizer steps only,
+no start-up); peak memory is the process peak RSS on the CPU (CUDA peak on a GPU). Local SGD only means
+something with several processes: it is compared with plain DDP, both on 2 processes.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "recipes" / "run.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+# name -> (overrides, launch config; None: accelerate_configs/cpu.yaml, one process)
+OPTIONS = {
+    "plain (adamw, fp32)": ([], None),
+    "gradient_checkpointing": (["train.gradient_checkpointing=true"], None),
+    "precision bf16": (["precision=bf16"], None),
+    "adafactor": (["optim.name=adafactor", "optim.lr=1e-4"], None),
+    "adamw_8bit": (["optim.name=adamw_8bit"], None),
+    "sgd (momentum)": (["optim.name=sgd", "optim.lr=0.05"], None),
+    "lion": (["optim.name=lion", "optim.lr=3e-5"], None),
+    "torch.compile": (["train.compile=true", "data.padding=max_length"], None),
+    "ddp, 2 processes": (["backend=cpu"], "cpu_ddp.yaml"),
+    "local_sgd K=4, 2 processes": (["backend=cpu", "distributed.local_sgd_steps=4"], "cpu_ddp.yaml"),
+}
+BASELINE = {"ddp, 2 processes": None, "local_sgd K=4, 2 processes": "ddp, 2 processes"}
+
+
+def run_once(name: str, steps: int, workdir: Path) -> dict:
+    overrides, launch = OPTIONS[name]
+    out = workdir / f"{len(list(workdir.iterdir()))}"
+    args = [f"output_dir={out}", f"train.max_steps={steps}", "train.log_every=1000", "data.max_eval_samples=64",
+            *overrides]
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "accelerate_configs" / (launch or "cpu.yaml")),
+           str(RUN), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"samples_per_second": summary["train"]["samples_per_second"],
+            "peak_mib": summary["memory"]["peak_bytes"] / 2**20, "loss": summary["train"]["loss"],
+            "optimizer_state_mib": summary["memory"]["optimizer_state_bytes"] / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="option names to run (default: all)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    names = args.only or list(OPTIONS)
+    results = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):
+            for name in names:  # alternating options in every repeat cancels slow drift of the machine
+                results[name].append(run_once(name, args.steps, Path(tmp)))
+    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
+
+    print(f"# Training options, default recipe, {args.steps} steps, median of {args.repeats}")
+    print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+          f"{__import__('os').cpu_count()} cores, torch {__import__('torch').__version__}\n")
+    print("| option | samples/s | vs baseline | peak MiB | vs baseline | optimizer state MiB | final loss |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    plain = "plain (adamw, fp32)"
+    for name, m in medians.items():
+        base = medians.get(BASELINE.get(name, plain)) if BASELINE.get(name, plain) else None
+        speed = f"{m['samples_per_second'] / base['samples_per_second']:.2f}x" if base and base is not m else "1.00x"
+        mem = f"{m['peak_mib'] / base['peak_mib']:.2f}x" if base and base is not m else "1.00x"
+        print(f"| {name} | {m['samples_per_second']:.1f} | {speed} | {m['peak_mib']:.0f} | {mem} | "
+              f"{m['optimizer_state_mib']:.1f} | {m['loss']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"steps": args.steps, "results": results, "medians": medians}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
