@@ -12,16 +12,18 @@ Three loops train the same model on the same examples, each in its own process:
 Same work. All three get the same recipe and overrides. The raw and Trainer scripts resolve them with the
 framework's config loader and read and tokenize the data with the framework's ``load_splits`` and
 ``tokenize``: the same train rows, truncation to ``data.max_length``, dynamic padding per batch
-(DataCollatorWithPadding). All three shuffle with accelerate's seedable sampler seeded by the recipe seed,
-so they see the same batches in the same order (drop_last): the same shape at every step. The overrides
-make the rest identical: ``data.group_by_length=false`` (the others do not group),
-``train.max_grad_norm=null`` (no clipping anywhere), ``train.log_every`` beyond the run (the framework
-reads the loss on the host once, at the last step), fp32, AdamW with the recipe's lr and weight decay
-(not on biases and LayerNorm), linear schedule with the recipe's warmup ratio. A run is at most one
-epoch, so the framework evaluates once, at the end; the raw and Trainer scripts then do the same final
-work: one pass over the eval split and save_pretrained. The first and last losses in the tables show it:
-they agree exactly when the model has no dropout (the tiny case); with dropout (MiniLM) the Trainer's
-differ a little because it reseeds the RNG before training.
+(DataCollatorWithPadding; ``data.padding=dynamic`` in the framework). All three shuffle with accelerate's
+seedable sampler seeded by the recipe seed, so they see the same batches in the same order (drop_last):
+the same shapes at every step. The overrides make the rest identical: ``data.group_by_length=false`` (the
+others do not group), ``train.max_grad_norm=null`` (no clipping anywhere), ``train.log_every`` beyond the
+run (the framework reads the loss on the host once, at the last step). All train in fp32 with AdamW built
+alike (the recipe's lr, betas, eps and weight decay, none on biases and LayerNorm, the kernel the framework
+picks: foreach on the CPU, fused on CUDA) and a linear schedule with the recipe's warmup ratio. The probe
+records each run's optimizer and the output says whether they all match. A run is at most one epoch, so
+the framework evaluates once, at the end; the raw and Trainer scripts then do the same final work: one
+pass over the eval split and save_pretrained. The first and last losses in the tables show that the work
+was the same: they agree exactly when the model has no dropout (the tiny case); with dropout (MiniLM) the
+Trainer's differ a little because it reseeds the RNG before training.
 
 Measurement. Each child starts with ``benchmarks/probe`` on PYTHONPATH, whose ``sitecustomize`` (see its
 docstring) hooks every optimizer step from outside the scripts, the same way in the three loops, and
@@ -39,7 +41,9 @@ records when each step ended, relative to ``BENCH_T0``, the parent's ``time.time
 
 Runs alternate (raw, framework, Trainer, raw, ...) so drift in the machine's load hits the three alike,
 after one unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache; the
-tables give medians and the targets are checked on them.
+tables give medians and the targets are checked on them. On a CPU shared with other work, ``--threads 1``
+keeps the numbers meaningful: with one OpenMP thread per core, every parallel op waits for the thread
+that another process has descheduled, and steps get up to 100x slower in bursts.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class Case:
             *self.overrides,
             f"backend={backend}",
             f"output_dir={output_dir}",
+            "data.padding=dynamic",
             "data.group_by_length=false",
             f"data.max_length={self.max_length}",
             f"train.batch_size={self.batch}",
@@ -174,6 +179,7 @@ class Bench:
             "peak_memory_mib": peak / MIB,
             "first_loss": p["first_loss"],
             "last_loss": p["last_loss"],
+            "optimizer": p["optimizer"],
         }
 
 
@@ -192,7 +198,9 @@ def summarize(runs: List[Dict]) -> Dict:
         "steady samples/s > Trainer": ratios["framework/Trainer"]["steady_samples_per_s"] > 1,
         "time to first step < Trainer": fw["time_to_first_step_s"] < medians["Trainer"]["time_to_first_step_s"],
     }
-    return {"medians": medians, "ratios": ratios, "targets": targets}
+    optimizers = {json.dumps(r["optimizer"], sort_keys=True) for r in runs}
+    return {"medians": medians, "ratios": ratios, "targets": targets,
+            "same_optimizer": len(optimizers) == 1}
 
 
 def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
@@ -210,6 +218,11 @@ def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
               "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['median_step_samples_per_s']:.3f} | "
               f"{r['peak_memory']:.3f} |" for name, r in summary["ratios"].items()]
+    if summary["same_optimizer"]:
+        lines += ["", f"Optimizer, the same in every run: {json.dumps(runs[0]['optimizer'])}."]
+    else:
+        lines += ["", "WARNING: the loops' optimizers differ, so they did not do the same work: " + "; ".join(
+            f"{r['loop']} {json.dumps(r['optimizer'])}" for r in runs[:len(LOOPS)]) + "."]
     lines += ["", "Targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}"
                                         for name, ok in summary["targets"].items()) + ".", "",
               "Steady samples/s per run, window mean (from the median step): " + "; ".join(
@@ -218,11 +231,21 @@ def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
     return "\n".join(lines)
 
 
+def revision() -> str:
+    """The framework's commit, and whether the measured tree differs from it (it is measured as it is)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" + uncommitted changes" if git("status", "--porcelain", "--", "framework", "recipes") else "")
+
+
 def machine(device: str, threads: Optional[int]) -> Dict[str, object]:
     with open("/proc/cpuinfo") as f:
         names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     info = {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count(),
-            "threads_per_process": threads or "torch default", "python": platform.python_version(),
+            "threads_per_process": threads or "torch default", "framework_revision": revision(),
+            "python": platform.python_version(),
             **{name: version(name) for name in ("torch", "transformers", "accelerate", "datasets")}}
     if device == "gpu":
         import torch
@@ -252,18 +275,22 @@ def main() -> None:
         f"# Training loops: raw accelerate vs framework vs transformers.Trainer ({args.device})", "",
         f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores"
         + (f", {info['gpu']}" if "gpu" in info else "") + f"; CPU threads per process: {info['threads_per_process']}."
-        f" torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}.", "",
+        f" Framework {info['framework_revision']}; torch {info['torch']}, transformers {info['transformers']},"
+        f" accelerate {info['accelerate']}.", "",
         "fp32; the same recipe, rows, batches and order in the three loops; no clipping. Steady samples/s "
         "leaves out the first steps and the final work; total wall includes the final work (one eval pass + "
         "save_pretrained), which all three loops do. Peak memory: "
-        + ("CUDA allocator peak." if args.device == "gpu" else "process peak RSS."),
+        + ("CUDA allocator peak. " if args.device == "gpu" else "process peak RSS. ")
+        + "First and last losses agree exactly without dropout (tiny); with dropout (MiniLM) the Trainer's "
+        "differ a little, as it reseeds the RNG before training.",
     ]), flush=True)
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     if args.device == "gpu":
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Trainer started without a launcher would use every GPU
+        # One GPU: Trainer started without a launcher would spread over every visible GPU (DataParallel).
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     report = {"date": started, "device": args.device, "machine": info, "repeats": args.repeats, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="compare_loops-") as tmp:
         work = Path(tmp)

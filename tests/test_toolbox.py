@@ -53,7 +53,8 @@ def test_local_sgd_syncs_every_k_steps_and_replicas_agree_after(hf_home, tiny_mo
                       "distributed.local_sgd_steps=4")]
     proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, "HF_HOME": str(hf_home)},
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if "rank1" in line)[-4000:] \
+        + proc.stderr[-3000:]
     ranks = [json.loads((out / f"local_sgd_rank{r}.json").read_text()) for r in (0, 1)]
     # Syncs after steps 4, 8, 12, and once more when the Local SGD context closes.
     assert [r["step"] for r in ranks[0]] == [r["step"] for r in ranks[1]] == [4, 8, 12, 12]

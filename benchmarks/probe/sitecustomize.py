@@ -10,6 +10,7 @@ It records:
 
 - the end of every optimizer step, in wall-clock seconds since BENCH_T0 (the parent's ``time.time()``
   just before the launch), so the end of step 1 is the time to first step;
+- the optimizer's class, kernel (foreach/fused), hyperparameters and parameter groups, at step 1;
 - the first and the latest loss passed to ``backward``, read only at exit (no extra host sync);
 - on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
 
@@ -35,12 +36,23 @@ def _install(out: str) -> None:
     # Steps after which CUDA work is drained before the time is taken: step 1 and the window's ends.
     sync_after = {1, int(os.environ["BENCH_SKIP_STEPS"]), int(os.environ["BENCH_STEPS"])}
     step_ends = []
+    record = {"step_ends": step_ends}
     losses = {}  # first_loss, last_loss: detached tensors
 
     def after_step(optimizer, args, kwargs):
         if len(step_ends) + 1 in sync_after and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         step_ends.append(time.time() - t0)
+        if len(step_ends) == 1:
+            record["optimizer"] = describe(optimizer)
+
+    def describe(optimizer) -> dict:
+        """What must be equal across the loops: kernel, hyperparameters, and which parameters decay."""
+        settings = ("foreach", "fused", "betas", "eps", "amsgrad", "maximize")
+        groups = sorted([sum(p.numel() for p in g["params"]), g["weight_decay"], g.get("initial_lr"), g["lr"]]
+                        for g in optimizer.param_groups if g["params"])
+        return {"class": type(optimizer).__name__, **{k: optimizer.defaults.get(k) for k in settings},
+                "groups (elements, weight decay, peak lr, step-1 lr)": groups}
 
     backward = torch.Tensor.backward
 
@@ -51,7 +63,6 @@ def _install(out: str) -> None:
         return backward(self, *args, **kwargs)
 
     def write():
-        record = {"step_ends": step_ends}
         record.update({name: loss.item() for name, loss in losses.items()})
         if torch.cuda.is_initialized():
             record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
