@@ -41,3 +41,21 @@ def adamw(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.o
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              **ADAMW_KERNEL.get(device_type, {}))
+
+
+def load_data_and_model(cfg: RunConfig):
+    """The framework's order: seed, data, tokenizer, model (its fresh head draws from the seeded RNG),
+    then the framework's own tokenization: the same examples in the same shapes as the framework."""
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from framework.data import load_splits, tokenize
+
+    set_seed(cfg.seed)
+    splits = load_splits(cfg.data, cfg.seed)
+    labels = splits.label_names
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        cfg.model.name_or_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)})
+    return tokenizer, model, tokenize(splits.train, tokenizer, cfg.data), tokenize(splits.eval, tokenizer, cfg.data)

@@ -14,17 +14,11 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    get_scheduler,
-)
+from transformers import DataCollatorWithPadding, get_scheduler
 
-from common import adamw, read_recipe  # before framework: it puts this clone's framework on sys.path
-from framework.data import load_splits, tokenize
+from common import adamw, load_data_and_model, read_recipe
 
 
 def main() -> None:
@@ -33,15 +27,7 @@ def main() -> None:
     # The seedable sampler is what the framework and Trainer use: the same shuffle order in all three.
     accelerator = Accelerator(cpu=cfg.backend == "cpu",
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    set_seed(cfg.seed)
-    splits = load_splits(cfg.data, cfg.seed)
-    labels = splits.label_names
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        cfg.model.name_or_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)})
-    train_ds = tokenize(splits.train, tokenizer, cfg.data)
-    eval_ds = tokenize(splits.eval, tokenizer, cfg.data)
+    tokenizer, model, train_ds, eval_ds = load_data_and_model(cfg)
 
     collate = DataCollatorWithPadding(tokenizer)
     train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=True, drop_last=True, collate_fn=collate)
