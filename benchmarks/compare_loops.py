@@ -22,8 +22,9 @@ picks: foreach on the CPU, fused on CUDA) and a linear schedule with the recipe'
 records each run's optimizer and the output says whether they all match. A run is at most one epoch, so
 the framework evaluates once, at the end; the raw and Trainer scripts then do the same final work: one
 pass over the eval split and save_pretrained. The first and last losses in the tables show that the work
-was the same: they agree exactly when the model has no dropout (the tiny case); with dropout (MiniLM) the
-Trainer's differ a little because it reseeds the RNG before training.
+was the same: they agree exactly when the model has no dropout (the tiny case). With dropout (MiniLM) they
+differ a little: each loop leaves the global RNG, which draws the dropout masks, in its own state (the
+framework's train loader has its own generator, the Trainer reseeds before training).
 
 Measurement. Each child starts with ``benchmarks/probe`` on PYTHONPATH, whose ``sitecustomize`` (see its
 docstring) hooks every optimizer step from outside the scripts, the same way in the three loops, and
@@ -281,8 +282,8 @@ def main() -> None:
         "leaves out the first steps and the final work; total wall includes the final work (one eval pass + "
         "save_pretrained), which all three loops do. Peak memory: "
         + ("CUDA allocator peak. " if args.device == "gpu" else "process peak RSS. ")
-        + "First and last losses agree exactly without dropout (tiny); with dropout (MiniLM) the Trainer's "
-        "differ a little, as it reseeds the RNG before training.",
+        + "First and last losses agree exactly without dropout (tiny); with dropout (MiniLM) they differ a "
+        "little, since each loop's RNG draws different dropout masks.",
     ]), flush=True)
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

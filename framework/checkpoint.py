@@ -172,8 +172,8 @@ def load(accelerator: Accelerator, path: Path) -> Dict:
 class Preemption:
     """SIGTERM/SIGINT ask the loop to stop after the current optimizer step and save a checkpoint.
 
-    All processes must stop at the same step (saving is collective), so the request is combined across
-    processes each time the loop asks.
+    All processes must stop at the same step (saving is collective), so with several processes the request
+    is combined across them each time the loop asks (at log steps).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -195,10 +195,10 @@ class Preemption:
         self.signal = signum
 
     def requested(self, accelerator: Accelerator) -> bool:
-        flag = torch.tensor([1.0 if self.signal else 0.0])
-        if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag.to(accelerator.device), reduction="sum").cpu()
-        return bool(flag.item())
+        if accelerator.num_processes == 1:
+            return self.signal is not None
+        flag = torch.tensor([1.0 if self.signal else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
 
 
 class Preempted(Exception):

@@ -319,9 +319,9 @@ def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
 
 
 def preemption_check_interval(accelerator: Accelerator, log_every: int) -> int:
-    """Optimizer steps between checks for a stop signal. Several processes must agree (a tiny all-reduce);
-    on XLA that would be a host sync every step, so they check only when they log anyway."""
-    return log_every if _on_xla(accelerator) and accelerator.num_processes > 1 else 1
+    """Optimizer steps between checks for a stop signal. One process just reads a flag every step; several
+    must agree on the step (an all-reduce and a host read), so they check only when they log anyway."""
+    return 1 if accelerator.num_processes == 1 else log_every
 
 
 def xla_stats(accelerator: Accelerator) -> Optional[Dict[str, float]]:
