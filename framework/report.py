@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 from accelerate import Accelerator
 from tqdm.auto import tqdm
@@ -24,12 +23,9 @@ class Reporter:
         self.metrics_path = output_dir / "metrics.jsonl"
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.main, desc="train",
                         unit="step", dynamic_ncols=True)
-        self.start = time.perf_counter()
 
-    def step(self, samples_per_second: Optional[float] = None) -> None:
+    def step(self) -> None:
         self.bar.update(1)
-        if samples_per_second is not None:
-            self.bar.set_postfix_str(f"{samples_per_second:.1f} samples/s", refresh=False)
 
     def log(self, record: Dict) -> None:
         """One line of metrics.jsonl (every record has ``step``), mirrored to the trackers."""
@@ -42,8 +38,9 @@ class Reporter:
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
         self.bar.write(shown)
 
-    def show_loss(self, loss: float) -> None:
+    def show_loss(self, loss: float, samples_per_second: float) -> None:
         self.bar.set_description_str(f"train loss {loss:.4f}", refresh=False)
+        self.bar.set_postfix_str(f"{samples_per_second:.1f} samples/s", refresh=False)
 
     def print(self, text: str) -> None:
         if self.main:

@@ -253,7 +253,7 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
     speed = micro_steps * run.plan["effective_batch"] / run.cfg.train.gradient_accumulation_steps / seconds
     reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
                   "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
-    reporter.show_loss(state.last_loss)
+    reporter.show_loss(state.last_loss, speed)
     warning = run.compile_watch.check(state.step)
     if warning:
         reporter.print(f"warning: {warning}")
