@@ -210,7 +210,7 @@ def _check_launch(cfg: RunConfig, accelerator: Accelerator) -> None:
 
 
 def backend_name(accelerator: Accelerator) -> str:
-    if accelerator.distributed_type == "XLA":
+    if _on_xla(accelerator):
         return "xla"
     return "gpu" if accelerator.device.type == "cuda" else accelerator.device.type
 
@@ -283,11 +283,19 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
 
 def needs_static_shapes(accelerator: Accelerator) -> bool:
     """XLA compiles one graph per input shape: batches there must come in a few fixed shapes."""
-    return accelerator.distributed_type == "XLA"
+    return _on_xla(accelerator)
 
 
 def _on_xla(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == "XLA"
+
+
+def _run_pending_graph(accelerator: Accelerator) -> None:
+    """On XLA, execute the lazily traced ops now, so what is read next is already computed."""
+    if _on_xla(accelerator):
+        import torch_xla
+
+        torch_xla.sync()
 
 
 def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -299,10 +307,7 @@ def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) ->
 def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) -> float:
     """Host sync: the value of a device scalar, reduced over processes. On XLA the pending step graph runs
     first (the same graph as every other step), so the read only transfers data and compiles nothing."""
-    if _on_xla(accelerator):
-        import torch_xla
-
-        torch_xla.sync()
+    _run_pending_graph(accelerator)
     if accelerator.num_processes > 1:
         tensor = accelerator.reduce(tensor, reduction=reduction)
     return tensor.item()
@@ -311,10 +316,7 @@ def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) 
 def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
     """Device tensors as NumPy arrays after a single sync (on XLA, joining them on the device would
     compile yet another graph)."""
-    if _on_xla(accelerator):
-        import torch_xla
-
-        torch_xla.sync()
+    _run_pending_graph(accelerator)
     return [t.cpu().numpy() for t in tensors]
 
 
@@ -368,7 +370,7 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dic
     """The full state dict, on the CPU. Every process must call it (FSDP and DeepSpeed gather collectively);
     XLA tensors must come to the host before safetensors can write them."""
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.distributed_type == "XLA":
+    if _on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
     return state_dict
 
