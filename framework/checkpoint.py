@@ -211,17 +211,16 @@ class Preempted(Exception):
 def save_model(accelerator: Accelerator, model, tokenizer, path: Path) -> None:
     """``save_pretrained`` in safetensors with the tokenizer: loadable by ``transformers.pipeline``.
 
-    Every process takes part (sharded or XLA models gather their weights collectively); only the main
-    process writes, into a temporary folder renamed over ``path`` when complete.
+    Every process takes part in gathering the weights (sharded models gather collectively, XLA tensors
+    come to the host); then only the main process touches the disk, writing into a temporary folder
+    renamed over ``path`` when complete. Other processes must not call ``save_pretrained``: it lists
+    and creates the folder on every rank, which races with the main process's rename.
     """
     state_dict = device.state_dict_for_save(accelerator, model)
-    tmp = path.with_name(f".tmp_{path.name}")
     if accelerator.is_main_process:
+        tmp = path.with_name(f".tmp_{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.unwrap_model(model).save_pretrained(
-        tmp, is_main_process=accelerator.is_main_process, state_dict=state_dict, save_function=accelerator.save
-    )
-    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
