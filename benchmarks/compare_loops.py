@@ -119,23 +119,15 @@ def make_cases(device: str, tiny_model: Path) -> Dict[str, Case]:
 
 
 def build_tiny_model(folder: Path, vocab_size: int = 2000) -> None:
-    """A tiny random BERT (as in tests/conftest.py) with a vocabulary of the corpus's most frequent words."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    """The tests' tiny random BERT, with a vocabulary of the corpus's most frequent words."""
     from transformers.utils import logging
+
+    from framework.testing import SPECIAL_TOKENS, save_tiny_bert
 
     logging.disable_progress_bar()
     with bz2.open(ROOT / "assets" / "rotten_tomatoes.csv.bz2", "rt", newline="") as f:
         counts = Counter(word for row in csv.DictReader(f) for word in re.findall(r"\w+|[^\w\s]", row["text"].lower()))
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = specials + [word for word, _ in counts.most_common(vocab_size - len(specials))]
-    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_tiny_bert(folder, [word for word, _ in counts.most_common(vocab_size - len(SPECIAL_TOKENS))])
 
 
 @dataclass

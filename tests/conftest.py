@@ -47,20 +47,9 @@ def write_csv(path: Path, rows: List[dict]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer BERT from a config (random init, seeded), with a WordPiece tokenizer over the task's words."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from framework.testing import save_tiny_bert
 
-    folder = tmp_path_factory.mktemp("tiny_bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POSITIVE + NEGATIVE + NEUTRAL
-    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
-                        # No dropout: runs with different process counts must be comparable exactly.
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), POSITIVE + NEGATIVE + NEUTRAL)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,26 @@
+"""A tiny random BERT for tests and benchmarks: trains in milliseconds, needs no download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def save_tiny_bert(folder: Path, words: Sequence[str], num_labels: int = 2) -> Path:
+    """Save a 2-layer BERT classifier (hidden 32, random init from seed 0, no dropout) and a WordPiece
+    tokenizer over ``words`` into ``folder``, loadable with ``from_pretrained``. No dropout, so runs with
+    different process counts or loops can be compared exactly."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = SPECIAL_TOKENS + [w for w in dict.fromkeys(words) if w not in SPECIAL_TOKENS]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
