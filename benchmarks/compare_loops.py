@@ -1,6 +1,6 @@
 """Compare this framework's training loop with a minimal accelerate loop and with transformers.Trainer.
 
-    .venv/bin/python benchmarks/compare_loops.py [--repeats 3] [--case default|tiny|all] [--device cpu|gpu]
+    .venv/bin/python benchmarks/compare_loops.py [--repeats 5] [--case default|tiny|all] [--device cpu|gpu]
                                                  [--threads N] [--json results.json]
 
 Three loops train the same model on the same examples, each in its own process:
@@ -41,8 +41,9 @@ records when each step ended, relative to ``BENCH_T0``, the parent's ``time.time
 - first and last loss: the losses of step 1 and of the last step, read at exit (no extra host sync).
 
 Runs alternate (raw, framework, Trainer, raw, ...) so drift in the machine's load hits the three alike,
-after one unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache; the
-tables give medians and the targets are checked on them. On a CPU shared with other work, ``--threads 1``
+after one unmeasured warm-up run of each loop that fills the datasets cache and the OS file cache. The
+first table gives each loop's medians; the ratios are the median over rounds of the ratio within a round
+(one round runs each loop once, back to back), and the targets are checked on them. On a CPU shared with other work, ``--threads 1``
 keeps the numbers meaningful: with one OpenMP thread per core, every parallel op waits for the thread
 that another process has descheduled, and steps get up to 100x slower in bursts.
 """
@@ -180,10 +181,17 @@ def summarize(runs: List[Dict]) -> Dict:
     medians = {loop: {m: statistics.median(r[m] for r in runs if r["loop"] == loop) for m in METRICS}
                for loop in LOOPS}
     fw = medians["framework"]
+
+    def paired(other: str, metric: str) -> float:
+        """The median over rounds of framework/other, each from the two runs of one round: runs of a round
+        are back to back, so a slow spell of the machine that spans a round cancels out of its ratio."""
+        by_loop = {loop: [r[metric] for r in runs if r["loop"] == loop] for loop in ("framework", other)}
+        return statistics.median(a / b for a, b in zip(by_loop["framework"], by_loop[other]))
+
     ratios = {f"framework/{other}": {
-        "steady_samples_per_s": fw["steady_samples_per_s"] / medians[other]["steady_samples_per_s"],
-        "median_step_samples_per_s": fw["median_step_samples_per_s"] / medians[other]["median_step_samples_per_s"],
-        "peak_memory": fw["peak_memory_mib"] / medians[other]["peak_memory_mib"],
+        "steady_samples_per_s": paired(other, "steady_samples_per_s"),
+        "median_step_samples_per_s": paired(other, "median_step_samples_per_s"),
+        "peak_memory": paired(other, "peak_memory_mib"),
     } for other in ("raw", "Trainer")}
     targets = {
         "steady samples/s >= 0.99 x raw": ratios["framework/raw"]["steady_samples_per_s"] >= 0.99,
@@ -207,7 +215,8 @@ def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
     lines += [f"| {loop} | {m['time_to_first_step_s']:.2f} | {m['steady_samples_per_s']:.1f} | "
               f"{m['total_wall_s']:.1f} | {m['peak_memory_mib']:.0f} | {m['first_loss']:.4f} | {m['last_loss']:.4f} |"
               for loop, m in summary["medians"].items()]
-    lines += ["", "| ratio | steady samples/s | steady samples/s from the median step | peak memory |",
+    lines += ["", "Ratios: the median over the rounds of each round's ratio (the loops run in turn in a round).", "",
+              "| ratio | steady samples/s | steady samples/s from the median step | peak memory |",
               "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['median_step_samples_per_s']:.3f} | "
               f"{r['peak_memory']:.3f} |" for name, r in summary["ratios"].items()]
@@ -251,7 +260,7 @@ def machine(device: str, threads: Optional[int]) -> Dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="measured runs per loop and case (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured runs per loop and case (default 5)")
     parser.add_argument("--case", choices=["default", "tiny", "all"], default="all")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--threads", type=int,
