@@ -35,6 +35,9 @@ records when each step ended, relative to ``BENCH_T0``, the parent's ``time.time
   ``skip`` to the end of the last step; it leaves out the first steps and the final eval and save.
   Also given, as a check on a busy machine: ``batch / median step time`` over the same window, which
   ignores bursts of load from other processes (and would also hide a cost paid on few steps);
+- steady samples per CPU second: the same window over the process's CPU time instead of the wall clock.
+  With ``--threads 1`` it is the work each loop does per sample, untouched by other load on the machine
+  (with more threads it also counts the time OpenMP threads spin while waiting for each other);
 - total wall: launch to process exit, final eval and save included;
 - peak memory: on the CPU the child's peak RSS, from ``os.wait4`` (``RUSAGE_CHILDREN`` would give the
   largest of all children so far); on a GPU the CUDA allocator's peak in the child;
@@ -78,8 +81,8 @@ LOOPS = {
     "framework": ROOT / "recipes" / "run.py",
     "Trainer": HERE / "trainer_loop.py",
 }
-METRICS = ["time_to_first_step_s", "steady_samples_per_s", "median_step_samples_per_s", "total_wall_s",
-           "peak_memory_mib", "first_loss", "last_loss"]
+METRICS = ["time_to_first_step_s", "steady_samples_per_s", "median_step_samples_per_s", "samples_per_cpu_s",
+           "total_wall_s", "peak_memory_mib", "first_loss", "last_loss"]
 MIB = 2 ** 20
 
 
@@ -163,12 +166,14 @@ class Bench:
         if len(ends) != steps:
             sys.exit(f"{label}: {len(ends)} optimizer steps instead of {steps}; the loops did not do the same work")
         window = ends[case.skip - 1:]  # from the end of step `skip` to the end of the last step
+        cpu = p["step_cpu_seconds"][case.skip - 1:]
         peak = p["cuda_peak_bytes"] if self.device == "gpu" else usage.ru_maxrss * 1024  # Linux: KiB
         return {
             "loop": loop,
             "time_to_first_step_s": ends[0],
             "steady_samples_per_s": (len(window) - 1) * case.batch / (window[-1] - window[0]),
             "median_step_samples_per_s": case.batch / statistics.median(b - a for a, b in zip(window, window[1:])),
+            "samples_per_cpu_s": (len(cpu) - 1) * case.batch / (cpu[-1] - cpu[0]),
             "total_wall_s": wall,
             "peak_memory_mib": peak / MIB,
             "first_loss": p["first_loss"],
@@ -191,6 +196,7 @@ def summarize(runs: List[Dict]) -> Dict:
     ratios = {f"framework/{other}": {
         "steady_samples_per_s": paired(other, "steady_samples_per_s"),
         "median_step_samples_per_s": paired(other, "median_step_samples_per_s"),
+        "samples_per_cpu_s": paired(other, "samples_per_cpu_s"),
         "peak_memory": paired(other, "peak_memory_mib"),
     } for other in ("raw", "Trainer")}
     targets = {
@@ -216,10 +222,11 @@ def markdown(case: Case, runs: List[Dict], summary: Dict) -> str:
               f"{m['total_wall_s']:.1f} | {m['peak_memory_mib']:.0f} | {m['first_loss']:.4f} | {m['last_loss']:.4f} |"
               for loop, m in summary["medians"].items()]
     lines += ["", "Ratios: the median over the rounds of each round's ratio (the loops run in turn in a round).", "",
-              "| ratio | steady samples/s | steady samples/s from the median step | peak memory |",
-              "| --- | ---: | ---: | ---: |"]
+              "| ratio | steady samples/s | steady samples/s from the median step | steady samples per CPU second "
+              "| peak memory |",
+              "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {name} | {r['steady_samples_per_s']:.3f} | {r['median_step_samples_per_s']:.3f} | "
-              f"{r['peak_memory']:.3f} |" for name, r in summary["ratios"].items()]
+              f"{r['samples_per_cpu_s']:.3f} | {r['peak_memory']:.3f} |" for name, r in summary["ratios"].items()]
     if summary["same_optimizer"]:
         lines += ["", f"Optimizer, the same in every run: {json.dumps(runs[0]['optimizer'])}."]
     else:

@@ -10,6 +10,8 @@ It records:
 
 - the end of every optimizer step, in wall-clock seconds since BENCH_T0 (the parent's ``time.time()``
   just before the launch), so the end of step 1 is the time to first step;
+- the process's CPU time (``time.process_time()``) at the end of every step: with one thread per
+  process it measures the work a step costs, whatever else the machine is doing;
 - the optimizer's class, kernel (foreach/fused), hyperparameters and parameter groups, at step 1;
 - the first and the latest loss passed to ``backward``, read only at exit (no extra host sync);
 - on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
@@ -35,14 +37,15 @@ def _install(out: str) -> None:
     t0 = float(os.environ["BENCH_T0"])
     # Steps after which CUDA work is drained before the time is taken: step 1 and the window's ends.
     sync_after = {1, int(os.environ["BENCH_SKIP_STEPS"]), int(os.environ["BENCH_STEPS"])}
-    step_ends = []
-    record = {"step_ends": step_ends}
+    step_ends, step_cpu = [], []
+    record = {"step_ends": step_ends, "step_cpu_seconds": step_cpu}
     losses = {}  # first_loss, last_loss: detached tensors
 
     def after_step(optimizer, args, kwargs):
         if len(step_ends) + 1 in sync_after and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         step_ends.append(time.time() - t0)
+        step_cpu.append(time.process_time())
         if len(step_ends) == 1:
             record["optimizer"] = describe(optimizer)
 
