@@ -154,6 +154,19 @@ def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, cfg: Dat
     return sorted(str(v) for v in values)
 
 
+def check_max_length(cfg: DataConfig, tokenizer, model) -> None:
+    """``data.max_length`` must fit the model: longer inputs fail deep inside its forward (position ids
+    beyond the embedding table). The limit is the smaller of the model's position embeddings and the
+    tokenizer's ``model_max_length`` (RoBERTa: 514 positions, 512 usable); either may be unset."""
+    limits = {"max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
+              "model_max_length": tokenizer.model_max_length}
+    limits = {name: n for name, n in limits.items() if isinstance(n, int) and 0 < n < 10**9}
+    if limits and cfg.max_length > min(limits.values()):
+        name, limit = min(limits.items(), key=lambda item: item[1])
+        raise UserError(f"data.max_length={cfg.max_length} is longer than the model takes ({name} {limit}); "
+                        f"set data.max_length={limit} or less")
+
+
 def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> datasets.Dataset:
     """Tokenize with truncation and no padding (the collator pads). Cached by an explicit fingerprint."""
     columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])

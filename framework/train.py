@@ -76,6 +76,7 @@ def setup(cfg: RunConfig) -> Run:
     with accelerator.main_process_first():
         splits = data.load_splits(cfg.data, cfg.seed)
         model, tokenizer = task.load(cfg.model, splits.label_names)
+        data.check_max_length(cfg.data, tokenizer, model)
         train_ds = data.tokenize(splits.train, tokenizer, cfg.data)
         eval_ds = data.tokenize(splits.eval, tokenizer, cfg.data)
 

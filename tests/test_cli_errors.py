@@ -68,6 +68,12 @@ def test_too_little_data_for_one_step(capsys, args):
     assert "fewer than one optimizer step takes" in fails(capsys, args("train.batch_size=1000"))
 
 
+def test_max_length_beyond_the_models_positions(capsys, args):
+    err = fails(capsys, args("data.max_length=128", "data.padding=max_length"))  # the tiny model has 64 positions
+    assert "data.max_length=128 is longer than the model takes (max_position_embeddings 64)" in err
+    assert "data.max_length=64 or less" in err
+
+
 def test_model_folder_missing(capsys, args, tmp_path):
     err = fails(capsys, args(f"model.name_or_path={tmp_path / 'no_model'}"))
     assert "model.name_or_path: folder" in err and "does not exist" in err
