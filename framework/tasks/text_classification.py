@@ -22,6 +22,9 @@ def load(cfg: ModelConfig, label_names: List[str]):
             num_labels=len(label_names),
             id2label=dict(enumerate(label_names)),
             label2id=label2id,
+            # Set now rather than by the first forward: a config changed after the first step would make
+            # torch.compile recompile the model.
+            problem_type="single_label_classification",
             # A checkpoint fine-tuned on other labels gets a fresh head of the right size.
             ignore_mismatched_sizes=True,
         )
