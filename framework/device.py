@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Dict, List, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
@@ -122,16 +120,12 @@ def model_checkpointing(cfg: RunConfig) -> bool:
 
 
 def _plugins(cfg: RunConfig) -> dict:
+    """The Accelerator's plugin arguments: the compiler, and FSDP or DeepSpeed."""
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
+    plugins = {}
     if cfg.train.compile:
-        return {"dynamo_plugin": TorchDynamoPlugin(backend="inductor"), **_plugins_distributed(cfg)}
-    return _plugins_distributed(cfg)
-
-
-def _plugins_distributed(cfg: RunConfig) -> dict:
-    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-
+        plugins["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     d = cfg.distributed
     if d.strategy == "fsdp":
         f = d.fsdp
@@ -146,14 +140,14 @@ def _plugins_distributed(cfg: RunConfig) -> dict:
             options["reshard_after_forward"] = f.sharding_strategy == "FULL_SHARD"
         else:
             options["sharding_strategy"] = f.sharding_strategy
-        return {"fsdp_plugin": FullyShardedDataParallelPlugin(**options)}
-    if d.strategy == "deepspeed":
+        plugins["fsdp_plugin"] = FullyShardedDataParallelPlugin(**options)
+    elif d.strategy == "deepspeed":
         z = d.deepspeed
-        return {"deepspeed_plugin": DeepSpeedPlugin(
+        plugins["deepspeed_plugin"] = DeepSpeedPlugin(
             zero_stage=z.zero_stage, offload_optimizer_device=z.offload_optimizer, offload_param_device=z.offload_params,
             gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
-            gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)}
-    return {}
+            gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)
+    return plugins
 
 
 def build_accelerator(cfg: RunConfig) -> Accelerator:

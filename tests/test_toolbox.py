@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, tiny_args, train_losses
+from conftest import ROOT, tiny_args, train_losses
 
 
 def assert_learns(out: Path) -> None:
@@ -39,8 +39,8 @@ def test_key_trains_with_decreasing_loss(cli, tiny_model, easy_data, tmp_path, o
 
 def test_torch_compile_trains(cli, tiny_model, easy_data, tmp_path):
     out = tmp_path / "out"
-    proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=60", "train.log_every=3", "train.compile=true",
-                         "data.padding=max_length"))
+    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=60", "train.log_every=3", "train.compile=true",
+                  "data.padding=max_length"))
     assert_learns(out)
 
 

@@ -5,7 +5,6 @@ match the CPU backend's; gradient accumulation on XLA equals the larger batch.
 """
 
 import json
-import os
 
 import pytest
 import torch
