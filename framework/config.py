@@ -96,6 +96,10 @@ class TrainConfig:
     """torch.compile the model (not on XLA, which compiles graphs itself)."""
     early_stopping_patience: Optional[int] = _bounded(None, gt=0)
     """Stop after this many evaluations in a row without improving ``eval.metric``."""
+    cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1)
+    """Threads per process for CPU compute. auto: OMP_NUM_THREADS when it is set above 1 (a deliberate
+    ``--num_cpu_threads_per_process``), else this machine's cores divided by its processes (plain
+    ``accelerate launch`` sets OMP_NUM_THREADS=1, which would leave all but one core idle)."""
 
 
 @dataclass
@@ -114,6 +118,9 @@ class CheckpointConfig:
     """Save a resumable checkpoint every this many optimizer steps under output_dir/checkpoints/step_N."""
     every_epoch: bool = False
     """Also save one at the end of every epoch."""
+    every_minutes: Optional[float] = _bounded(None, gt=0)
+    """Also save one when this many minutes of training have passed since the last save (or the start),
+    so a run killed at any time loses at most about this much work."""
     keep_last: int = _bounded(2, ge=1)
     """Keep the newest this many checkpoints (plus the best model's, when eval.metric is set)."""
     resume: str = "auto"
@@ -356,13 +363,14 @@ def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is Union:
         inner = [a for a in args if a is not type(None)]
-        if value is None:
+        if value is None and type(None) in args:
             return True, None, ""
         results = [_coerce(value, a) for a in inner]
         for ok, coerced, _ in results:
             if ok:
                 return True, coerced, ""
-        return False, value, " or ".join(r[2] for r in results) + " or null"
+        nullable = " or null" if type(None) in args else ""
+        return False, value, " or ".join(r[2] for r in results) + nullable
     if origin is Literal:
         return value in args, value, "one of " + ", ".join(str(a) for a in args)
     if origin in (list, List):
@@ -385,8 +393,8 @@ def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
 
 
 def _check_bounds(value: Any, bounds: Any) -> str:
-    if value is None or not bounds:
-        return ""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not bounds:
+        return ""  # None, or the word of a word-or-number key (cpu_threads: auto)
     rules = {"gt": (lambda v, b: v > b, "> {}"), "ge": (lambda v, b: v >= b, ">= {}"),
              "lt": (lambda v, b: v < b, "< {}"), "le": (lambda v, b: v <= b, "<= {}")}
     failed = any(not rules[k][0](value, b) for k, b in bounds.items())

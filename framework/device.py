@@ -238,7 +238,7 @@ def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
     return said
 
 
-def describe(accelerator: Accelerator) -> Dict[str, object]:
+def describe(cfg: RunConfig, accelerator: Accelerator) -> Dict[str, object]:
     """What the run actually got, for the plan and summary.json."""
     return {
         "backend": backend_name(accelerator),
@@ -246,6 +246,7 @@ def describe(accelerator: Accelerator) -> Dict[str, object]:
         "num_processes": accelerator.num_processes,
         "strategy": strategy_name(accelerator),
         "precision": accelerator.mixed_precision,
+        "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
     }
 
 

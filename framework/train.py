@@ -117,8 +117,7 @@ def setup(cfg: RunConfig) -> Run:
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
 
     plan = {
-        **device.describe(accelerator),
-        "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
+        **device.describe(cfg, accelerator),
         "per_device_batch": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "effective_batch": per_step,
