@@ -7,13 +7,15 @@ agree the run refuses with a UserError; where it falls back by design the plan s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Dict, List, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from framework.config import RunConfig
+from framework.config import DistributedConfig, RunConfig
 from framework.errors import UserError
 
 if TYPE_CHECKING:
@@ -71,9 +73,42 @@ def _launched_with(name: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("1", "true", "yes")
 
 
+def _launched_strategy() -> Optional[str]:
+    """fsdp or deepspeed when the launch config set one up (accelerate passes it on in the environment)."""
+    return "fsdp" if _launched_with("FSDP") else "deepspeed" if _launched_with("DEEPSPEED") else None
+
+
+def strategy(cfg: RunConfig) -> str:
+    """``distributed.strategy`` with auto resolved to what the launch set up: fsdp or deepspeed under such
+    a launch config, else auto (data parallel when several processes, else one process)."""
+    if cfg.distributed.strategy == "auto":
+        return _launched_strategy() or "auto"
+    return cfg.distributed.strategy
+
+
+def resolved_distributed(cfg: RunConfig) -> DistributedConfig:
+    """The recipe's ``distributed`` section with the strategy resolved (see ``strategy``): what the checks,
+    the plugins and the memory plan go by."""
+    return dataclasses.replace(cfg.distributed, strategy=strategy(cfg))
+
+
+def _strategy_key(cfg: RunConfig) -> str:
+    """How messages name the strategy: the recipe's value, and where auto took it from."""
+    chosen = strategy(cfg)
+    return chosen if chosen == cfg.distributed.strategy else f"{chosen} (auto, from the launch config)"
+
+
+def _auto_means_cpu(cfg: RunConfig) -> bool:
+    """backend auto on a machine where accelerate finds neither torch_xla nor CUDA. The Accelerator must then
+    be asked for the CPU explicitly: under a multi-process launcher (torchrun sets LOCAL_RANK) it would
+    otherwise set up an independent single-process run in every launched process."""
+    xla = has_xla() and os.environ.get("USE_TORCH_XLA", "1").lower() not in ("0", "false", "no")
+    return cfg.backend == "auto" and not xla and not torch.cuda.is_available()
+
+
 def check(cfg: RunConfig) -> None:
     """Refuse, before anything is built, the combinations that cannot work here."""
-    backend, precision, strategy = cfg.backend, cfg.precision, cfg.distributed.strategy
+    backend, precision, strategy_ = cfg.backend, cfg.precision, strategy(cfg)
     cuda = torch.cuda.is_available()
     xla = backend == "xla" or (backend == "auto" and has_xla() and not cuda)
     if backend == "xla" and not has_xla():
@@ -90,43 +125,46 @@ def check(cfg: RunConfig) -> None:
         if not any(importlib.util.find_spec(m) for m in ("transformer_engine", "torchao", "msamp")):
             raise UserError("precision: fp8 needs transformer_engine, torchao or msamp installed; "
                             "install one (e.g. `pip install torchao`) or use precision=bf16")
-    if strategy == "xla_spmd" and not (xla and has_xla()):
+    if strategy_ == "xla_spmd" and not (xla and has_xla()):
         raise UserError(f"distributed.strategy: xla_spmd needs backend=xla and torch_xla; {XLA_INSTALL}")
-    if strategy in ("fsdp", "deepspeed"):
-        if backend == "cpu" or not cuda:
-            raise UserError(f"distributed.strategy: {strategy} needs CUDA GPUs (accelerate would silently "
-                            f"train plain data-parallel on the CPU); use strategy=ddp or strategy=auto here")
-    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise UserError("distributed.strategy: deepspeed needs the deepspeed package; `pip install deepspeed`")
-    if strategy == "fsdp" and cfg.distributed.fsdp.version == 2 and \
+    if strategy_ in ("fsdp", "deepspeed") and (backend == "cpu" or not cuda):
+        fix = ("use strategy=ddp or strategy=auto here" if strategy_ == cfg.distributed.strategy else
+               "launch with a config without it here, e.g. --config_file accelerate_configs/cpu_ddp.yaml")
+        raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs CUDA GPUs (accelerate would silently "
+                        f"train plain data-parallel on the CPU); {fix}")
+    if strategy_ == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs the deepspeed package; "
+                        "`pip install deepspeed`")
+    if strategy_ == "fsdp" and cfg.distributed.fsdp.version == 2 and \
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
                         "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
-    if cfg.distributed.local_sgd_steps and (xla or strategy in ("fsdp", "deepspeed", "xla_spmd")):
-        where = "XLA" if xla else strategy
+    if cfg.distributed.local_sgd_steps and (xla or strategy_ in ("fsdp", "deepspeed", "xla_spmd")):
+        where = "XLA" if xla else strategy_
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
                         "(only plain data parallel on CPUs and GPUs); remove the key or use strategy=ddp")
     if cfg.train.compile and xla:
         raise UserError("train.compile: XLA already compiles the model's graphs; remove train.compile on XLA")
-    launched = "fsdp" if _launched_with("FSDP") else "deepspeed" if _launched_with("DEEPSPEED") else None
-    if launched and strategy not in ("auto", launched):
-        raise UserError(f"distributed.strategy: the recipe asks for {strategy} but the launch config sets up "
+    launched = _launched_strategy()
+    if launched and strategy_ != launched:
+        raise UserError(f"distributed.strategy: the recipe asks for {strategy_} but the launch config sets up "
                         f"{launched}; use a matching --config_file or set distributed.strategy={launched}")
 
 
 def model_checkpointing(cfg: RunConfig) -> bool:
     """Whether the model's own gradient checkpointing is wanted (FSDP does it through its plugin instead)."""
-    return cfg.train.gradient_checkpointing and cfg.distributed.strategy != "fsdp"
+    return cfg.train.gradient_checkpointing and strategy(cfg) != "fsdp"
 
 
 def _plugins(cfg: RunConfig) -> dict:
-    """The Accelerator's plugin arguments: the compiler, and FSDP or DeepSpeed."""
+    """The Accelerator's plugin arguments: the compiler, and FSDP or DeepSpeed with the recipe's settings
+    (also under strategy auto, when the launch config set FSDP or DeepSpeed up)."""
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     plugins = {}
     if cfg.train.compile:
         plugins["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
-    d = cfg.distributed
+    d = resolved_distributed(cfg)
     if d.strategy == "fsdp":
         f = d.fsdp
         wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
@@ -159,7 +197,7 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
         _start_spmd()
     try:
         accelerator = Accelerator(
-            cpu=cfg.backend == "cpu",
+            cpu=cfg.backend == "cpu" or _auto_means_cpu(cfg),
             mixed_precision=cfg.precision,
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=cfg.train.gradient_accumulation_steps,
@@ -180,7 +218,31 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     _check_launch(cfg, accelerator)
     if _on_xla(accelerator):
         _masks_without_host_reads()
+        _xla_loaders_with_dataset()
+    elif accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(cfg)[0])
     return accelerator
+
+
+def cpu_threads(cfg: RunConfig) -> Tuple[int, str]:
+    """Threads for CPU compute in this process, and where the number comes from (for the plan).
+
+    ``train.cpu_threads: N`` sets N. auto respects an OMP_NUM_THREADS above 1 (a deliberate
+    ``--num_cpu_threads_per_process``) and otherwise divides the cores this process may run on by the
+    processes on this machine: plain ``accelerate launch`` sets OMP_NUM_THREADS=1, which would leave all
+    but one core idle."""
+    if cfg.train.cpu_threads != "auto":
+        return cfg.train.cpu_threads, "train.cpu_threads"
+    pin = "set train.cpu_threads to pin it"
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    omp_threads = int(omp) if omp.isdigit() else 0
+    if omp_threads > 1:
+        return omp_threads, f"auto: OMP_NUM_THREADS={omp_threads} respected; {pin}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    overridden = "; OMP_NUM_THREADS=1 overridden" if omp_threads == 1 else ""
+    processes = "1 process" if local == 1 else f"{local} processes"
+    return max(1, cores // local), f"auto: {cores} cores / {processes}{overridden}; {pin}"
 
 
 def _check_launch(cfg: RunConfig, accelerator: Accelerator) -> None:
@@ -192,6 +254,16 @@ def _check_launch(cfg: RunConfig, accelerator: Accelerator) -> None:
     if cfg.precision != accelerator.mixed_precision:
         raise UserError(f"precision: the recipe asks for {cfg.precision} but accelerate set up "
                         f"{accelerator.mixed_precision} on {accelerator.device}; choose a precision the device supports")
+    # What the launcher started (torchrun and the DeepSpeed launcher export these; the TPU launcher does not)
+    # must be what accelerate set up: otherwise every launched process trains on its own, all into the same
+    # output_dir.
+    world, local = (int(os.environ.get(name) or 0) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if (world and world != accelerator.num_processes) or local > accelerator.num_processes:
+        started = f"{world} processes ({local} on this machine)" if world else f"{local} processes on this machine"
+        raise UserError(f"backend: the launch started {started} but accelerate "
+                        f"set up {accelerator.num_processes} ({accelerator.distributed_type.value} on "
+                        f"{accelerator.device}); use backend=cpu to train several CPU processes, or launch one "
+                        "process per GPU or XLA device")
     if "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
         # accelerate's simple launcher sets MASTER_ADDR for a multi-process config it then starts as one
         # process (distributed_type MULTI_CPU without mpirun).
@@ -232,9 +304,11 @@ def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
         said.append(f"precision {cfg.precision} comes from the recipe; the launch config's {launched} is not used")
     if cfg.distributed.strategy == "ddp" and accelerator.num_processes == 1:
         said.append("distributed.strategy ddp with one process: no data parallelism (launch more processes)")
-    if accelerator.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) // accelerator.num_processes:
-        said.append(f"each process uses {torch.get_num_threads()} CPU thread(s) of {os.cpu_count()} cores; launch "
-                    "with --config_file accelerate_configs/cpu.yaml or --num_cpu_threads_per_process to use more")
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    d = resolved_distributed(cfg)
+    if d.strategy == "deepspeed" and stage and int(stage) != d.deepspeed.zero_stage:
+        said.append(f"ZeRO stage {d.deepspeed.zero_stage} comes from the recipe (distributed.deepspeed.zero_stage); "
+                    f"the launch config's stage {stage} is not used")
     return said
 
 
@@ -246,8 +320,15 @@ def describe(cfg: RunConfig, accelerator: Accelerator) -> Dict[str, object]:
         "num_processes": accelerator.num_processes,
         "strategy": strategy_name(accelerator),
         "precision": accelerator.mixed_precision,
-        "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
+        "cpu_threads": _threads_said(cfg, accelerator),
     }
+
+
+def _threads_said(cfg: RunConfig, accelerator: Accelerator) -> Optional[str]:
+    """The CPU thread count and where it came from, e.g. "2 (auto: 2 cores / 1 process; ...)"."""
+    if accelerator.device.type != "cpu":
+        return None
+    return f"{torch.get_num_threads()} ({cpu_threads(cfg)[1]})"
 
 
 def _masks_without_host_reads() -> None:
@@ -265,6 +346,16 @@ def _masks_without_host_reads() -> None:
 
     AttentionMaskInterface.register("sdpa", without_skips(sdpa_mask))
     AttentionMaskInterface.register("eager", without_skips(eager_mask))
+
+
+def _xla_loaders_with_dataset() -> None:
+    """accelerate's ``save_state``/``load_state`` read ``dataloader.dataset``, which its XLA loader wrapper
+    (``MpDeviceLoaderWrapper``, accelerate 1.15) lacks: every checkpoint on XLA raised AttributeError. The
+    wrapper gets the wrapped loader's dataset."""
+    from accelerate.data_loader import MpDeviceLoaderWrapper
+
+    if not hasattr(MpDeviceLoaderWrapper, "dataset"):
+        MpDeviceLoaderWrapper.dataset = property(lambda self: self._loader.dataset)
 
 
 def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -338,12 +429,36 @@ def xla_stats(accelerator: Accelerator) -> Optional[Dict[str, float]]:
 
 
 class CompileWatch:
-    """Warns once when XLA keeps compiling after the first steps: each compile stalls the run for seconds."""
+    """Warns once when XLA keeps compiling after the first steps: each compile stalls the run for seconds.
+    Also counts the transfers to the host made inside training steps, outside the loop's deliberate host
+    work (logging, evaluating, saving: ``host_work``); each is a stall that cuts the step's graph, and
+    the count should stay 0."""
 
     def __init__(self, accelerator: Accelerator, expected: int):
         self.accelerator, self.expected = accelerator, expected
         self.last: Optional[int] = None
         self.warning: Optional[str] = None
+        self.transfers_in_steps = 0
+        self._mark: Optional[int] = None
+
+    def begin(self) -> None:
+        """Training starts: transfers count from here."""
+        self._mark = self._transfers()
+
+    def _transfers(self) -> Optional[int]:
+        stats = xla_stats(self.accelerator)
+        return None if stats is None else stats["transfers_to_host"]
+
+    @contextmanager
+    def host_work(self):
+        """Wraps the loop's deliberate host reads; transfers between two such blocks happened in the steps."""
+        count = self._transfers()
+        if count is not None and self._mark is not None:
+            self.transfers_in_steps += count - self._mark
+        try:
+            yield
+        finally:
+            self._mark = self._transfers()
 
     def check(self, step: int) -> Optional[str]:
         """Call at log points; returns the warning the first time it applies."""

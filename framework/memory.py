@@ -14,6 +14,7 @@ from typing import Dict, FrozenSet, Iterable, Optional
 
 import torch
 
+from framework import device
 from framework.config import DistributedConfig, OptimConfig, RunConfig
 
 MIB = 2**20
@@ -134,13 +135,14 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
     sharding over ``num_processes``, activations for a full ``train.batch_size`` x ``data.max_length`` batch,
     and their total on the device (offloaded states excluded). Call it on the model as loaded, before
-    ``accelerator.prepare`` shards it. ``distributed`` is what the launch really set up, when that differs
-    from the recipe's ``distributed`` (strategy auto under an FSDP or DeepSpeed launch config).
+    ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
+    the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
+    launch config is that strategy, with the recipe's settings).
 
     Under accelerate's autocast the weights, gradients and optimizer state stay fp32; DeepSpeed with bf16
     or fp16 instead keeps 16-bit weights and gradients and an fp32 master copy in the optimizer state.
     """
-    distributed = distributed or cfg.distributed
+    distributed = distributed or device.resolved_distributed(cfg)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     trainable_count = sum(p.numel() for p in trainable)

