@@ -13,62 +13,137 @@ import hashlib
 import json
 import os
 import shutil
-import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
+from omegaconf import OmegaConf
 
 from framework import device
-from framework.config import RunConfig
+from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
+from framework.report import write_text
 
 # What a run writes into output_dir (the run contract). Finding any of them means another run was here.
 RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints")
 STATE_FILE = "trainer_state.json"
-EXIT_PREEMPTED = 3  # the run stopped on SIGTERM/SIGINT after saving a checkpoint; rerun it to resume
 
 
 def previous_outputs(output_dir: Path) -> list:
     return [name for name in RUN_OUTPUTS if (output_dir / name).exists()]
 
 
-def start_point(cfg: RunConfig) -> Tuple[Optional[Path], List[str]]:
-    """Decide, before any slow work, whether this run resumes (and from which checkpoint) or starts fresh.
+@dataclass
+class StartPoint:
+    """How a run begins, decided before any slow work."""
 
-    Returns (checkpoint or None, warnings about checkpoints skipped as damaged). Refuses to write over
-    another run's outputs unless the recipe says ``overwrite: true``.
+    resume_from: Optional[Path] = None  # the checkpoint to load; None starts fresh
+    clear: bool = False  # remove an earlier run's outputs from output_dir first
+    continues_log: bool = False  # output_dir's own run goes on: keep its metrics.jsonl up to the checkpoint
+    notes: List[str] = field(default_factory=list)  # said in the plan
+
+
+def start_point(cfg: RunConfig) -> StartPoint:
+    """Decide whether this run resumes (and from which checkpoint) or starts fresh, and whether an earlier
+    run's outputs in ``output_dir`` may be replaced.
+
+    A run never continues a checkpoint trained with a different recipe (any key that changes the training
+    trajectory; see ``config.RESUME_FREE_KEYS``), never writes over another run's outputs unless the recipe
+    says ``overwrite: true``, and never writes outside its own ``output_dir``. ``overwrite: true`` does not
+    replace an unfinished run of the same recipe: rerunning the command that was interrupted resumes it.
     """
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir: {out} is a file; choose a folder")
-    resume = cfg.checkpoint.resume
-    if cfg.overwrite:
-        return None, []
-    if resume not in ("auto", "never"):
-        path = Path(resume)
-        problem = verify(path)
-        if problem:
-            raise UserError(f"checkpoint.resume: {path} cannot be resumed from: {problem}")
-        _refuse_finished(out)
-        return path, []
     found = previous_outputs(out)
+    finished = (out / "summary.json").exists()
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never"):
+        return _resume_path(cfg, Path(resume), out, found, finished)
     if not found:
-        return None, []
-    if resume == "auto" and (out / "checkpoints").is_dir():
-        _refuse_finished(out)
-        newest, warnings = newest_complete(out / "checkpoints")
-        if newest is not None:
-            return newest, warnings
-    raise UserError(f"output_dir: {out} already holds another run's outputs ({', '.join(found)}); "
-                    f"choose a new output_dir=... or pass overwrite=true to replace them")
+        return StartPoint()
+    replace = StartPoint(clear=True, notes=[f"overwrite: replacing the earlier run's outputs in {out}"])
+    if resume == "never" or finished:
+        if cfg.overwrite:
+            return replace
+        if finished:
+            raise UserError(f"output_dir: the run in {out} already finished (summary.json exists), so there is "
+                            "nothing to resume; choose a new output_dir=... or pass overwrite=true")
+        raise UserError(f"output_dir: {out} already holds another run's outputs ({', '.join(found)}) and "
+                        "checkpoint.resume is never; choose a new output_dir=... or pass overwrite=true")
+    newest, notes = newest_complete(out / "checkpoints")
+    saved = saved_recipe(newest) if newest else _recipe_file(out / "config.yaml")
+    changed, harmless = recipe_differences(saved, cfg)
+    if changed:
+        if cfg.overwrite:
+            return replace
+        where = f"checkpoint {newest}" if newest else f"{out / 'config.yaml'}"
+        raise UserError(f"output_dir: {out} holds an unfinished run trained with a different recipe ({where}), "
+                        f"and resuming it would continue another training run. What differs:\n  - "
+                        + "\n  - ".join(changed) + f"\nEither rerun the original recipe ({out / 'config.yaml'}) "
+                        "to resume it, or choose a new output_dir=... for this recipe (or pass overwrite=true "
+                        "to replace the unfinished run)")
+    if newest is None:  # the same recipe, stopped before its first checkpoint: nothing to lose
+        return StartPoint(clear=True, notes=notes + [f"{out} holds an unfinished run of this recipe without a "
+                                                     "checkpoint; starting it over"])
+    notes += [f"resuming with a changed setting that cannot change the result: {line}" for line in harmless]
+    if cfg.overwrite:
+        notes.append(f"overwrite: {out} holds an unfinished run of this same recipe, so it is resumed, not "
+                     "replaced; add checkpoint.resume=never to start over")
+    return StartPoint(newest, continues_log=True, notes=notes)
 
 
-def _refuse_finished(out: Path) -> None:
-    if (out / "summary.json").exists():
-        raise UserError(f"output_dir: the run in {out} already finished (summary.json exists), so there is "
-                        "nothing to resume; choose a new output_dir=... or pass overwrite=true")
+def _resume_path(cfg: RunConfig, path: Path, out: Path, found: List[str], finished: bool) -> StartPoint:
+    """``checkpoint.resume: PATH``: that checkpoint, read only; everything written goes to ``output_dir``."""
+    problem = verify(path)
+    if problem:
+        raise UserError(f"checkpoint.resume: {path} cannot be resumed from: {problem}")
+    changed, harmless = recipe_differences(saved_recipe(path), cfg)
+    if changed:
+        raise UserError(f"checkpoint.resume: {path} was trained with a different recipe, and resuming it would "
+                        "continue another training run. What differs:\n  - " + "\n  - ".join(changed)
+                        + "\nRun the checkpoint's own recipe (its trainer_state.json holds it), or set "
+                        "checkpoint.resume=never to train this recipe from the start")
+    notes = [f"resuming with a changed setting that cannot change the result: {line}" for line in harmless]
+    if path.resolve().parent == (out / "checkpoints").resolve():  # one of this output_dir's own checkpoints
+        if finished:
+            raise UserError(f"output_dir: the run in {out} already finished; resuming its {path.name} in place "
+                            "would replace its model and summary: choose a new output_dir=... to resume from it")
+        return StartPoint(path, continues_log=True, notes=notes)
+    if found and not cfg.overwrite:
+        raise UserError(f"output_dir: {out} already holds another run's outputs ({', '.join(found)}); resuming "
+                        f"from {path} writes into output_dir, so choose a new output_dir=... or pass overwrite=true")
+    return StartPoint(path, clear=bool(found), notes=notes)
+
+
+def saved_recipe(path: Path) -> Optional[Dict]:
+    """The recipe a checkpoint was trained with (``config.to_dict``), as recorded in its state file."""
+    return json.loads((path / STATE_FILE).read_text()).get("recipe")
+
+
+def _recipe_file(path: Path) -> Optional[Dict]:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # missing or unreadable: no recipe to compare with
+        return None
+
+
+def recipe_differences(saved: Optional[Dict], cfg: RunConfig) -> Tuple[List[str], List[str]]:
+    if saved is None:
+        return ["the earlier run's recipe is not recorded, so it cannot be compared with this one"], []
+    return resume_differences(saved, cfg)
+
+
+def check_processes(path: Path, devices: int) -> None:
+    """A checkpoint resumes only on as many devices as wrote it: each process's data position and random
+    state are in it, and the effective batch (per device x devices) must stay what the recipe says."""
+    saved = json.loads((path / STATE_FILE).read_text()).get("devices")
+    if saved is not None and saved != devices:
+        raise UserError(f"checkpoint.resume: {path} was trained on {saved} device(s) (processes x SPMD devices) "
+                        f"and this launch has {devices}; launch {saved} again to resume it (the effective batch "
+                        "and every process's data position depend on it), or choose a new output_dir=...")
 
 
 def clear_previous_outputs(output_dir: Path) -> None:
@@ -83,7 +158,7 @@ def truncate_metrics(output_dir: Path, step: int) -> None:
     path = output_dir / "metrics.jsonl"
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        write_text(path, "".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -130,8 +205,10 @@ def newest_complete(folder: Path) -> Tuple[Optional[Path], List[str]]:
     return None, warnings
 
 
-def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int]) -> Path:
-    """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively)."""
+def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int],
+         recipe: Dict, devices: int) -> Path:
+    """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively).
+    ``recipe`` (``config.to_dict``) and ``devices`` are recorded so that a resume can be checked against them."""
     folder = output_dir / "checkpoints"
     final = folder / f"step_{state['step']}"
     tmp = folder / f".tmp_step_{state['step']}"
@@ -144,7 +221,8 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
     if accelerator.is_main_process:
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / STATE_FILE).write_text(json.dumps({"state": state, "files": files}, indent=1))
+        record = {"state": state, "devices": devices, "recipe": recipe, "files": files}
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the rename is what makes it a checkpoint
         _retain(folder, keep_last, protect_step)
@@ -166,43 +244,20 @@ def load(accelerator: Accelerator, path: Path) -> Dict:
     return json.loads((path / STATE_FILE).read_text())["state"]
 
 
-# ---------------------------------------------------------------- preemption
+# ---------------------------------------------------------------- preemption (signals: framework/signals.py)
 
 
-class Preemption:
-    """SIGTERM/SIGINT ask the loop to stop after the current optimizer step and save a checkpoint.
-
-    All processes must stop at the same step (saving is collective), so with several processes the request
-    is combined across them each time the loop asks (at log steps).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal: Optional[int] = None
-        self._previous = {}
-
-    def __enter__(self) -> "Preemption":
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signum
-
-    def requested(self, accelerator: Accelerator) -> bool:
-        if accelerator.num_processes == 1:
-            return self.signal is not None
-        flag = torch.tensor([1.0 if self.signal else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item())
+def any_process(accelerator: Accelerator, *flags: bool) -> List[bool]:
+    """Each flag, true when it is true on any process. With several processes this is an all-reduce and a
+    host read, so the loop asks only at log steps; one process just reads its own flags."""
+    if accelerator.num_processes == 1:
+        return list(flags)
+    summed = accelerator.reduce(torch.tensor([float(f) for f in flags], device=accelerator.device), reduction="sum")
+    return [bool(v) for v in summed.tolist()]
 
 
 class Preempted(Exception):
-    """Raised after the preemption checkpoint is saved; the CLI exits with EXIT_PREEMPTED."""
+    """Raised after the preemption checkpoint is saved; the CLI exits with status 3."""
 
 
 # ---------------------------------------------------------------- model

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-from framework.config import load_config, to_yaml
 from framework.errors import UserError
+from framework.signals import Interrupted, Signals
 
 EXIT_USER_ERROR = 2
+EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGINT with a checkpoint to resume from: the same command resumes
+# Stopped by a signal with nothing to resume from yet: 128 + the signal's number (130 SIGINT, 143 SIGTERM),
+# the shell's convention; the same command starts over.
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -27,26 +31,55 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None) -> int:
-    """Run one training process; returns the exit status: 0 done, 2 user error, 3 preempted (a checkpoint
-    was saved on SIGTERM/SIGINT; the same command resumes)."""
+    """Run one training process; returns the exit status: 0 done, 2 user error, 3 stopped by SIGTERM/SIGINT
+    with a checkpoint to resume from (the same command resumes), 128 + signal number when stopped before
+    there was one."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(args.config or default_recipe, args.overrides)
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return 0
-        from framework import device
-
-        device.select_backend(cfg)  # before anything imports accelerate
-        from framework.checkpoint import EXIT_PREEMPTED, Preempted  # heavy imports only when training
-        from framework.train import train
-
+    cfg = None
+    # Installed before the heavy imports, so a signal at any moment ends with one line.
+    with Signals() as signals:
         try:
-            train(cfg, dry_run=args.dry_run)
-        except Preempted as e:
-            print(f"preempted: {e}", file=sys.stderr, flush=True)
-            return EXIT_PREEMPTED
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+            from framework.config import load_config, to_yaml
+
+            cfg = load_config(args.config or default_recipe, args.overrides)
+            if args.print_config:
+                print(to_yaml(cfg), end="")
+                return 0
+            from framework import device
+
+            device.select_backend(cfg)  # before anything imports accelerate
+            from framework.checkpoint import Preempted
+            from framework.train import train
+
+            try:
+                train(cfg, dry_run=args.dry_run, signals=signals)
+            except Preempted as e:
+                _say(f"preempted: {e}")
+                return EXIT_PREEMPTED
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        except Interrupted as e:
+            return _stopped(cfg, signals, e.signum)
     return 0
+
+
+def _stopped(cfg, signals: Signals, signum: int) -> int:
+    """A signal outside the training loop: say whether the same command resumes (exit 3) or starts over."""
+    try:
+        from framework.checkpoint import start_point
+
+        resume_from = start_point(cfg).resume_from if cfg is not None else None
+    except (UserError, Interrupted):
+        resume_from = None
+    if resume_from is not None:
+        _say(f"stopped by {signals.name}; run the same command again to resume from {resume_from}")
+        return EXIT_PREEMPTED
+    _say(f"stopped by {signals.name} before the first checkpoint; nothing to resume, the same command starts over")
+    return 128 + signum
+
+
+def _say(line: str) -> None:
+    """One line on stderr, from the first process only (every process gets the signal)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)

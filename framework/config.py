@@ -14,7 +14,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -30,6 +30,9 @@ def _bounded(default: Any, **bounds: float) -> Any:
 class ModelConfig:
     name_or_path: str = "assets/all-MiniLM-L6-v2"
     """A local folder holding a transformers model (config.json, weights, tokenizer), or a Hub id."""
+    token: Optional[str] = None
+    """A Hugging Face token for a private Hub model. Write it as ``${oc.env:HF_TOKEN}``: values that come from
+    the environment are written out (config.yaml, trackers, --print-config) as that template, never in clear."""
 
 
 @dataclass
@@ -124,7 +127,9 @@ class CheckpointConfig:
     keep_last: int = _bounded(2, ge=1)
     """Keep the newest this many checkpoints (plus the best model's, when eval.metric is set)."""
     resume: str = "auto"
-    """auto: continue from the newest complete checkpoint in output_dir if there is one; never; or a path."""
+    """auto: continue from the newest complete checkpoint in output_dir if there is one; never; or the path of
+    a checkpoint (read only: the run writes into its own output_dir). The recipe must be the one the
+    checkpoint was trained with, up to keys that cannot change the result (RESUME_FREE_KEYS)."""
 
 
 @dataclass
@@ -140,8 +145,8 @@ class ParamGroupConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit", "lion"] = "adamw"
-    """Optimizer: torch AdamW (fused/foreach where supported), SGD, transformers' Adafactor, bitsandbytes'
-    8-bit AdamW (paged or not), or bitsandbytes' Lion."""
+    """Optimizer: torch AdamW or SGD (torch's fused kernel where it has one: CUDA, the CPU), transformers'
+    Adafactor, bitsandbytes' 8-bit AdamW (paged or not), or bitsandbytes' Lion."""
     lr: Optional[float] = _bounded(5e-5, gt=0)
     """Peak learning rate. null only with Adafactor's relative-step mode."""
     weight_decay: float = _bounded(0.01, ge=0)
@@ -218,7 +223,9 @@ class RunConfig:
     output_dir: str = "runs/text_classification"
     """Where the run writes config.yaml, metrics.jsonl, summary.json, model/ and checkpoints/."""
     overwrite: bool = False
-    """Allow replacing the outputs of an earlier run in ``output_dir``."""
+    """Allow replacing the outputs of an earlier run in ``output_dir``: a finished run, or an unfinished run of
+    another recipe. An unfinished run of this same recipe is resumed instead (add checkpoint.resume=never to
+    start over), so rerunning an interrupted command never wipes it."""
     backend: Literal["auto", "cpu", "gpu", "xla"] = "auto"
     """Where to train; auto takes what the launch provides (XLA, else a GPU, else the CPU)."""
     precision: Literal["no", "fp16", "bf16", "fp8"] = "no"
@@ -232,6 +239,22 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})
+    """Not a recipe key: dotted key -> the recipe's own text (``${oc.env:...}``) for values that came from the
+    environment, written out instead of the values."""
+
+
+def _schema_fields(cls: type) -> list:
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+# Keys a resumed run may change: they cannot change the weights it trains (printed as notes on resume).
+# Every other key changes the training trajectory, and a resume with a different value is refused.
+RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "model.token", "data.num_workers", "train.log_every",
+                    "train.eval_batch_size", "train.cpu_threads", "checkpoint.every_steps", "checkpoint.every_epoch",
+                    "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume")
+# Free only while no metric picks the best model or stops early: then evaluation points decide the result.
+RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
 
 
 # ---------------------------------------------------------------- loading
@@ -247,6 +270,7 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
         raise UserError(f"recipe: cannot resolve an interpolation: {e}") from None
     data.pop("extends", None)
     cfg, problems = _build(RunConfig, data, "")
+    cfg.env_templates = _env_templates(_flatten(OmegaConf.to_container(raw, resolve=False)), _flatten(data))
     problems += _cross_checks(cfg)
     if problems:
         where = f"recipe {path}" if path is not None else "recipe"
@@ -254,8 +278,60 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
     return cfg
 
 
+def to_dict(cfg: RunConfig) -> Dict[str, Any]:
+    """The resolved recipe as plain data, with values from the environment as their templates."""
+    data = dataclasses.asdict(cfg)
+    data.pop("env_templates")
+    for key, template in cfg.env_templates.items():
+        *parents, last = key.split(".")
+        node = data
+        for name in parents:
+            node = node[name]
+        node[last] = template
+    return data
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)), sort_keys=False)
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)), sort_keys=False)
+
+
+def _flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
+    """Nested mappings as {dotted key: value}; lists stay whole values."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data}
+    flat = {}
+    for key, value in data.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def _env_templates(unresolved: Dict[str, Any], resolved: Dict[str, Any]) -> Dict[str, Any]:
+    """The keys whose value comes from the environment (``${oc.env:VAR}``, or an interpolation of such a
+    value), with their unresolved text."""
+    def text(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+
+    from_env = {key: value for key, value in unresolved.items() if re.search(r"\$\{\s*(oc\.)?env:", text(value))}
+    secrets = [text(resolved[key]) for key in from_env if key in resolved and text(resolved[key]).strip()]
+    for key, value in unresolved.items():
+        if "${" in text(value) and any(secret in text(resolved.get(key)) for secret in secrets):
+            from_env[key] = value
+    return {key: value for key, value in from_env.items() if key != "extends"}
+
+
+def resume_differences(saved: Dict[str, Any], cfg: RunConfig) -> tuple[List[str], List[str]]:
+    """Compare the recipe a checkpoint was trained with (``to_dict`` output) with ``cfg``. Returns
+    (differences that change the training trajectory, differences that cannot), each 'key: old -> new'.
+    Keys the saved recipe lacks (added to the schema since) count as their defaults."""
+    old = {**_flatten(to_dict(RunConfig())), **_flatten(saved)}
+    new = _flatten(to_dict(cfg))
+    free = RESUME_FREE_KEYS + (RESUME_FREE_WITHOUT_METRIC if cfg.eval.metric is None else ())
+    changed, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: {_show(old.get(key))} -> {_show(new.get(key))}"
+            (harmless if key in free else changed).append(line)
+    return changed, harmless
 
 
 def _load_recipe(path: Path, chain: tuple) -> Any:
@@ -296,7 +372,7 @@ def _parse_overrides(overrides: List[str]) -> Any:
 
 def _all_keys(cls: type, prefix: str = "") -> List[str]:
     keys = []
-    for f in dataclasses.fields(cls):
+    for f in _schema_fields(cls):
         hints = typing.get_type_hints(cls)
         if dataclasses.is_dataclass(hints[f.name]):
             keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
@@ -306,7 +382,7 @@ def _all_keys(cls: type, prefix: str = "") -> List[str]:
 
 
 def _suggest(key: str, prefix: str, cls: type) -> str:
-    siblings = [f.name for f in dataclasses.fields(cls)]
+    siblings = [f.name for f in _schema_fields(cls)]
     close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
@@ -326,7 +402,7 @@ def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
     if not isinstance(data, dict):
         return cls(), [f"{where} must be a mapping, got {_show(data)}"]
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in _schema_fields(cls)}
     problems, values = [], {}
     for key, value in data.items():
         if key not in fields:

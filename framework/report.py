@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Dict
 
@@ -10,8 +11,15 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write to a temporary name, then rename: a reader (or a run stopped mid-write) never sees half a file."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, obj: Dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 class Reporter:

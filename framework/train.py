@@ -19,10 +19,11 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from framework import checkpoint, data, device, hub, memory
-from framework.config import RunConfig, to_yaml
+from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
-from framework.report import Reporter, write_json
+from framework.report import Reporter, write_json, write_text
+from framework.signals import Signals
 from framework.tasks import get_task
 
 
@@ -58,19 +59,21 @@ class Run:
     total_steps: int
     plan: Dict[str, object]
     compile_watch: device.CompileWatch
-    resume_from: Optional[Path]
+    start: checkpoint.StartPoint
     memory_plan: Dict[str, object]
 
 
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
     # Cheap checks first, so a mistake is reported before any slow work.
-    resume_from, skipped = checkpoint.start_point(cfg)
+    start = checkpoint.start_point(cfg)
     data.check_files(cfg.data)
     hub.check_model_path(cfg.model.name_or_path)
     task = get_task(cfg.task)
 
     accelerator = device.build_accelerator(cfg)
+    if start.resume_from is not None:
+        checkpoint.check_processes(start.resume_from, accelerator.num_processes * device.spmd_devices())
     set_seed(cfg.seed)
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
@@ -100,7 +103,10 @@ def setup(cfg: RunConfig) -> Run:
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
     eval_rows = (t.eval_batch_size or 2 * t.batch_size) * device.spmd_devices()
     eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
-    eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers)
+    # Its own generator too: iterating a loader draws a seed, which would otherwise come from the global RNG
+    # and shift dropout after every evaluation (evaluating more or less often must not change training).
+    eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
+                         generator=torch.Generator().manual_seed(cfg.seed))
     if device.model_checkpointing(cfg):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
@@ -127,13 +133,13 @@ def setup(cfg: RunConfig) -> Run:
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "epochs": round(total_steps / steps_per_epoch, 3),
-        "resume_from": str(resume_from) if resume_from else None,
-        "notes": device.notes(cfg, accelerator) + skipped,
+        "resume_from": str(start.resume_from) if start.resume_from else None,
+        "notes": device.notes(cfg, accelerator) + start.notes,
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
-               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), resume_from,
+               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
                memory_plan)
 
 
@@ -175,7 +181,43 @@ class LossWindow:
             self.micro_steps = snapshot["micro_steps"]
 
 
-def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
+class Saves:
+    """When the loop saves and stops: checkpoints every N steps, every epoch, every M minutes (the clock
+    restarts at each save), and a stop requested by SIGTERM/SIGINT (saved, then Preempted)."""
+
+    def __init__(self, run: Run, signals: Signals):
+        self.run, self.signals = run, signals
+        self.last = time.monotonic()
+        minutes = run.cfg.checkpoint.every_minutes
+        self.seconds = minutes * 60 if minutes else None
+        # One process reads its own flags every step; several must agree (an all-reduce and a host read),
+        # so they ask only when they log anyway.
+        self.check_every = device.preemption_check_interval(run.accelerator, run.cfg.train.log_every)
+
+    def save(self, state: TrainState, window: LossWindow) -> None:
+        with self.run.compile_watch.host_work():
+            _save_checkpoint(self.run, state, window)
+        self.last = time.monotonic()
+
+    def after_step(self, state: TrainState, window: LossWindow) -> None:
+        every = self.run.cfg.checkpoint.every_steps
+        if every and state.step % every == 0:
+            self.save(state, window)
+        if state.step % self.check_every == 0 or state.step >= self.run.total_steps:
+            self.stop_or_save(state, window)
+
+    def stop_or_save(self, state: TrainState, window: LossWindow) -> None:
+        due = self.seconds is not None and time.monotonic() - self.last >= self.seconds
+        with self.run.compile_watch.host_work():
+            stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
+        if stop or due:
+            self.save(state, window)
+        if stop:
+            raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; checkpoint saved, "
+                                       "run the same command again to resume")
+
+
+def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> None:
     """Train until ``total_steps`` optimizer steps are done (or early stopping), evaluating after every
     whole epoch or every ``eval.every_steps``. Raises Preempted after saving on SIGTERM/SIGINT."""
     cfg = run.cfg
@@ -185,19 +227,24 @@ def fit(run: Run, reporter: Reporter, state: TrainState) -> None:
     # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
     k = cfg.distributed.local_sgd_steps
     local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
-    with local_sgd or nullcontext(), checkpoint.Preemption() as preemption:
+    saves = Saves(run, signals)
+    run.compile_watch.begin()
+    with local_sgd or nullcontext(), signals.deferred():
         while state.step < run.total_steps and not state.stopped_early:
-            if _train_epoch(run, reporter, state, window, local_sgd, preemption):
+            if _train_epoch(run, reporter, state, window, local_sgd, saves):
                 state.epoch, state.epoch_step = state.epoch + 1, 0
                 if cfg.eval.every_steps is None:
                     _log_eval(run, reporter, state)
                 if cfg.checkpoint.every_epoch:
-                    _save_checkpoint(run, state, window)
-    state.tokens += window.total_tokens()
+                    saves.save(state, window)
+        if state.step < run.total_steps:  # stopped early: a signal may still wait for an answer
+            saves.stop_or_save(state, window)
+    with run.compile_watch.host_work():
+        state.tokens += window.total_tokens()
 
 
 def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
-                 local_sgd: Optional[LocalSGD], preemption: checkpoint.Preemption) -> bool:
+                 local_sgd: Optional[LocalSGD], saves: Saves) -> bool:
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
     accum = cfg.train.gradient_accumulation_steps
@@ -207,7 +254,6 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
     # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
     batches.set_epoch(state.epoch)
-    check_every = device.preemption_check_interval(acc, cfg.train.log_every)
     for micro, batch in enumerate(batches, start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
@@ -229,15 +275,11 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         state.epoch_step += 1
         reporter.step()
         if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
-            _log_train(run, reporter, state, window)
+            with run.compile_watch.host_work():
+                _log_train(run, reporter, state, window)
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
             _log_eval(run, reporter, state)
-        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-            _save_checkpoint(run, state, window)
-        if state.step % check_every == 0 and preemption.requested(acc):
-            _save_checkpoint(run, state, window)
-            raise checkpoint.Preempted(f"stopped by signal {preemption.signal} after step {state.step}; "
-                                       f"checkpoint saved, run the same command again to resume")
+        saves.after_step(state, window)
         if state.step >= run.total_steps or state.stopped_early:
             return micro == micro_per_epoch - 1
     return True
@@ -245,7 +287,8 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.total_tokens())
-    checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step)
+    checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
+                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * device.spmd_devices())
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
@@ -261,25 +304,26 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
 
 def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
     """Evaluate; with eval.metric, keep the best model in model/ and count evaluations without progress."""
-    results = evaluate(run)
-    state.evals.append({"step": state.step, **results})
-    reporter.log({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in results.items()}})
-    metric = run.cfg.eval.metric
-    if metric is None:
-        return
-    greater = run.cfg.eval.greater_is_better
-    greater = metric != "loss" if greater is None else greater
-    value = results[metric]
-    if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
-        state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
-        checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model")
-        return
-    state.evals_without_improvement += 1
-    patience = run.cfg.train.early_stopping_patience
-    if patience and state.evals_without_improvement >= patience:
-        state.stopped_early = True
-        reporter.print(f"early stopping at step {state.step}: eval {metric} has not improved for {patience} "
-                       f"evaluations (best {state.best_value:.4g} at step {state.best_step})")
+    with run.compile_watch.host_work():  # evaluating, and saving the best model, read the device
+        results = evaluate(run)
+        state.evals.append({"step": state.step, **results})
+        reporter.log({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in results.items()}})
+        metric = run.cfg.eval.metric
+        if metric is None:
+            return
+        greater = run.cfg.eval.greater_is_better
+        greater = metric != "loss" if greater is None else greater
+        value = results[metric]
+        if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
+            state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
+            checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model")
+            return
+        state.evals_without_improvement += 1
+        patience = run.cfg.train.early_stopping_patience
+        if patience and state.evals_without_improvement >= patience:
+            state.stopped_early = True
+            reporter.print(f"early stopping at step {state.step}: eval {metric} has not improved for {patience} "
+                           f"evaluations (best {state.best_value:.4g} at step {state.best_step})")
 
 
 def evaluate(run: Run) -> Dict[str, float]:
@@ -313,8 +357,9 @@ def format_plan(plan: Dict[str, object]) -> str:
     return "plan:\n" + "\n".join(lines)
 
 
-def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
-    """The whole run; returns the summary (None for a dry run)."""
+def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = None) -> Optional[Dict]:
+    """The whole run; returns the summary (None for a dry run). ``signals``: the CLI's handlers, installed
+    for the whole run; without them a signal is handled only inside the training loop."""
     started = time.perf_counter()
     run = setup(cfg)
     acc = run.accelerator
@@ -328,18 +373,19 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
     if dry_run:
         return None
 
-    state = TrainState()
-    if run.resume_from is not None:
-        state = TrainState(**checkpoint.load(acc, run.resume_from))
+    state, start = TrainState(), run.start
+    if start.resume_from is not None:
+        state = TrainState(**checkpoint.load(acc, start.resume_from))
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite:
+        if start.clear:
             checkpoint.clear_previous_outputs(out)
-        if run.resume_from is not None:
+        if start.continues_log:
             checkpoint.truncate_metrics(out, state.step)
-            print(f"resuming from {run.resume_from}: step {state.step}, epoch {state.epoch} "
+        if start.resume_from is not None:
+            print(f"resuming from {start.resume_from}: step {state.step}, epoch {state.epoch} "
                   f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        write_text(out / "config.yaml", to_yaml(cfg))
     acc.wait_for_everyone()
     if cfg.report_to:
         acc.init_trackers("framework", config={"recipe": to_yaml(cfg)})
@@ -348,7 +394,7 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
     reporter = Reporter(acc, out, run.total_steps, initial_step=state.step)
     fit_start = time.perf_counter()
     try:
-        fit(run, reporter, state)
+        fit(run, reporter, state, signals or Signals())
     finally:
         reporter.close()
     fit_seconds = time.perf_counter() - fit_start
@@ -383,7 +429,8 @@ def train(cfg: RunConfig, dry_run: bool = False) -> Optional[Dict]:
         summary["best"] = {"step": state.best_step, "metric": cfg.eval.metric, "value": state.best_value}
     xla = device.xla_stats(acc)
     if xla is not None:
-        summary["xla"] = {**xla, "warning": run.compile_watch.warning}
+        summary["xla"] = {**xla, "warning": run.compile_watch.warning,
+                          "transfers_in_steps": run.compile_watch.transfers_in_steps}
     if acc.is_main_process:
         write_json(out / "summary.json", summary)
         print(f"done: eval accuracy {summary['eval'].get('accuracy', float('nan')):.4f}, outputs in {out}")

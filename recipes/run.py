@@ -1,6 +1,7 @@
 """Entry point: ``accelerate launch recipes/run.py [--config RECIPE] [KEY=VALUE ...]``.
 
-``main()`` stays importable because the TPU launcher calls it in each process.
+``main()`` stays importable because the TPU launcher calls it in each process. That launcher ignores what
+``main()`` returns, so a failure leaves as ``SystemExit`` with the status instead of a return value.
 """
 
 import sys
@@ -14,7 +15,10 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent / "text_classification.yaml"
 
 
 def main(argv=None) -> int:
-    return cli_main(argv, default_recipe=DEFAULT_RECIPE)
+    status = cli_main(argv, default_recipe=DEFAULT_RECIPE)
+    if status:
+        raise SystemExit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 from framework import train  # noqa: E402
-from framework.cli import main  # noqa: E402
+from run import main  # noqa: E402  (recipes/run.py: the default recipe too)
 
 kill_at = int(os.environ["KILL_AT_MICRO"])
 add = train.LossWindow.add

@@ -1,0 +1,50 @@
+"""Runs of the real CLI inside the test process (``framework.cli.main``): no interpreter start-up and no
+imports per run, so a run of the tiny model costs about a second. Use the ``cli`` fixture instead where the
+process boundary is what is tested (launchers, signals, a cache reused by a later process)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, List
+
+
+@contextmanager
+def fresh_process(hf_home: Path) -> Iterator[None]:
+    """What a new process would start with: no accelerate state left by an earlier run in this process, and
+    the session's datasets cache (the one the ``cli`` fixture's subprocesses use through HF_HOME) instead of
+    the user's. The environment variables a run sets (the backend switch) are put back afterwards."""
+    import datasets.config
+    from accelerate.state import AcceleratorState, GradientState
+
+    cache = Path(hf_home) / "datasets"
+    paths = {"HF_DATASETS_CACHE": cache, "DOWNLOADED_DATASETS_PATH": cache / "downloads",
+             "EXTRACTED_DATASETS_PATH": cache / "downloads" / "extracted"}
+    saved_paths = {name: getattr(datasets.config, name) for name in paths}
+    saved_env = dict(os.environ)
+    for name, path in paths.items():
+        setattr(datasets.config, name, path)
+
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    reset()
+    try:
+        yield
+    finally:
+        reset()
+        for name, path in saved_paths.items():
+            setattr(datasets.config, name, path)
+        for name in set(os.environ) - set(saved_env):
+            del os.environ[name]
+        os.environ.update(saved_env)
+
+
+def run_main(args: List[str], hf_home: Path) -> int:
+    """``run.py ARGS`` in this process; returns the exit status."""
+    from framework.cli import main
+
+    with fresh_process(hf_home):
+        return main(list(args))
