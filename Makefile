@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 XVENV := .venv-xla
 # torch_xla 2.9.0 publishes Linux x86_64 wheels only; elsewhere the XLA tier is skipped, and says so.
 XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
-# The launch for `make run`: one process on whatever device is there (CPU here).
-LAUNCH := $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process $(shell nproc)
+# The launch for `make run`: one process on whatever device is there (CPU here; it uses every core by itself).
+LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
+RUNS ?= runs
 
 .PHONY: install run test test-cpu install-xla test-xla bench
 
@@ -23,9 +24,13 @@ assets/.ready: $(VENV)/.installed tools/assets.py
 	$(BIN)/python tools/assets.py assets
 	touch $@
 
-# Each run gets its own output folder, so `make run` twice never meets the earlier run's outputs.
+# Each run gets its own output folder, except that an unfinished one (stopped, killed, preempted) is
+# continued: `make run` again resumes it from its last checkpoint.
 run: install
-	$(LAUNCH) recipes/run.py output_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
+	@out=$$(ls -d $(RUNS)/default-* 2>/dev/null | sort | while read d; do [ -f "$$d/summary.json" ] || echo "$$d"; done | tail -n 1); \
+	if [ -n "$$out" ]; then echo "make run: continuing the unfinished run in $$out (delete that folder to start afresh)"; \
+	else out=$(RUNS)/default-$$(date +%Y%m%d-%H%M%S); echo "make run: training into $$out (if it stops, make run resumes it)"; fi; \
+	$(LAUNCH) recipes/run.py output_dir=$$out
 
 test: test-cpu test-xla
 
