@@ -1,8 +1,11 @@
 """Checkpoints never lose work: exact resume after SIGKILL (1 and 2 processes, inside an accumulation
-window), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model, early stopping."""
+window), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model (bitwise the best
+step's weights, either direction of the metric), early stopping, a checkpoint at every epoch end, and
+checkpoint.resume=never."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,10 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, RUN, read_metrics, tiny_args
+from in_process import run_main
 
 KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
 # 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
-COMMON = ["train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10", "checkpoint.keep_last=3"]
+# On the CPU wherever the tests run: bitwise comparisons need deterministic kernels (a GPU's are not, by default).
+COMMON = ["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10",
+          "checkpoint.keep_last=3"]
 
 
 def env(hf_home, **extra):
@@ -56,7 +62,7 @@ def assert_bitwise_equal_models(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("case,extra,kill_at,launch", [
     ("one_process", [], 53, None),
     ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
-    ("two_processes", ["train.batch_size=4", "backend=cpu"], 53, "cpu_ddp.yaml"),
+    ("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_path, case, extra, kill_at, launch):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -70,7 +76,7 @@ def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_pat
 
 
 def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, easy_data, hf_home, tmp_path):
-    args = ["train.max_steps=300", "train.epochs=10", "train.log_every=1"]
+    args = ["backend=cpu", "train.max_steps=300", "train.epochs=10", "train.log_every=1"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     cli(tiny_args(tiny_model, easy_data, whole, *args))
     proc = subprocess.Popen([sys.executable, str(RUN), *tiny_args(tiny_model, easy_data, stopped, *args)], cwd=ROOT,
@@ -137,3 +143,87 @@ def test_resume_refuses_a_finished_run(cli, tiny_model, easy_data, tmp_path):
     cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"))
     proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"), check=False)
     assert proc.returncode == 2 and "already finished" in proc.stderr
+
+
+def load_weights(path: Path) -> dict:
+    """A model's tensors from model/ (save_pretrained) or a checkpoint folder (accelerator.save_state)."""
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("greater_is_better", [True, False], ids=["greater_is_better", "lower_is_better"])
+def test_model_holds_the_best_evaluations_weights(tiny_model, easy_data, hf_home, tmp_path, greater_is_better):
+    """model/ is bitwise the checkpoint saved at the best evaluation's step, chosen in the direction asked
+    for: with eval.metric=loss and greater_is_better=true, the worst loss. At this learning rate the eval
+    loss jumps above ln 2 at first and then comes down, so the worst is an early step, not the last."""
+    out = tmp_path / "out"
+    assert run_main(tiny_args(tiny_model, easy_data, out, "backend=cpu", "optim.lr=1e-2", "train.max_steps=20",
+                              "train.log_every=5", "eval.every_steps=5", "eval.metric=loss",
+                              f"eval.greater_is_better={str(greater_is_better).lower()}",
+                              "checkpoint.every_steps=5", "checkpoint.keep_last=1"), hf_home) == 0
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r}
+    assert list(evals) == [5, 10, 15, 20]
+    assert len(set(evals.values())) == 4, evals  # no ties: the best is unambiguous
+    best = (max if greater_is_better else min)(evals, key=evals.get)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"] == {"step": best, "metric": "loss", "value": evals[best]}
+    if greater_is_better:
+        assert best != 20, evals
+    # keep_last=1 keeps the newest checkpoint and the best step's.
+    assert {p.name for p in (out / "checkpoints").iterdir()} == {f"step_{best}", "step_20"}
+    model, at_best = load_weights(out / "model"), load_weights(out / "checkpoints" / f"step_{best}")
+    last = load_weights(out / "checkpoints" / "step_20")
+    assert model.keys() == at_best.keys() and len(model) > 0
+    for name in model:
+        assert torch.equal(model[name], at_best[name]), name
+    if best != 20:
+        assert not all(torch.equal(model[name], last[name]) for name in model)  # not the last step's weights
+
+
+@pytest.mark.parametrize("epochs,saved", [("3", [5, 10, 15]), ("2.5", [5, 10])])
+def test_every_epoch_saves_at_each_epoch_end(tiny_model, easy_data, hf_home, tmp_path, epochs, saved):
+    """40 training rows in batches of 8: an epoch is 5 steps. 2.5 epochs train 13 steps and end inside the
+    third epoch, which gets no epoch-end checkpoint."""
+    out = tmp_path / "out"
+    assert run_main(tiny_args(tiny_model, easy_data, out, "backend=cpu", "data.max_train_samples=40",
+                              f"train.epochs={epochs}", "checkpoint.every_epoch=true", "checkpoint.keep_last=10"),
+                    hf_home) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train"]["steps"] == {"3": 15, "2.5": 13}[epochs]
+    assert sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir()) == saved
+    for step in saved:
+        state = json.loads((out / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())["state"]
+        assert (state["step"], state["epoch"], state["epoch_step"]) == (step, step // 5, 0)
+
+
+def test_resume_never_with_overwrite_starts_over(capsys, tiny_model, easy_data, hf_home, tmp_path):
+    """An unfinished run of the same recipe (killed after its step 4 checkpoint) is resumed even with
+    overwrite=true; checkpoint.resume=never starts from step 1 instead and logs a fresh run's losses."""
+    args = ["backend=cpu", "train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=5"]
+    fresh, out, control = tmp_path / "fresh", tmp_path / "out", tmp_path / "control"
+    assert run_main(tiny_args(tiny_model, easy_data, fresh, *args), hf_home) == 0
+    assert run_main(tiny_args(tiny_model, easy_data, out, *args), hf_home) == 0
+    # What a kill between the step 4 and step 8 checkpoints leaves behind.
+    shutil.rmtree(out / "checkpoints" / "step_8")
+    (out / "summary.json").unlink()
+    shutil.copytree(out, control)
+    capsys.readouterr()
+
+    # Without resume=never the same command resumes, overwrite or not: there is something to resume.
+    assert run_main(tiny_args(tiny_model, easy_data, control, *args, "overwrite=true"), hf_home) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert json.loads((control / "summary.json").read_text())["train"]["resumed_from_step"] == 4
+
+    # resume=never without overwrite refuses and leaves the unfinished run as it was.
+    assert run_main(tiny_args(tiny_model, easy_data, out, *args, "checkpoint.resume=never"), hf_home) == 2
+    err = capsys.readouterr().err
+    assert "already holds another run's outputs" in err and "overwrite=true" in err
+    assert (out / "checkpoints" / "step_4").is_dir() and not (out / "summary.json").exists()
+
+    assert run_main(tiny_args(tiny_model, easy_data, out, *args, "checkpoint.resume=never", "overwrite=true"),
+                    hf_home) == 0
+    assert "resuming from" not in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train"]["resumed_from_step"] is None and summary["train"]["steps"] == 8
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
+    assert losses_by_step(out) == losses_by_step(fresh)
+    assert_bitwise_equal_models(fresh, out)

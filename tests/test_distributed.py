@@ -93,6 +93,7 @@ def args(tiny_model, easy_data, tmp_path):
     return lambda *extra: tiny_args(tiny_model, easy_data, tmp_path / "out", *extra)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
 @pytest.mark.parametrize("override,message", [
     ("distributed.strategy=fsdp", "distributed.strategy: fsdp needs CUDA GPUs"),
     ("distributed.strategy=deepspeed", "distributed.strategy: deepspeed needs CUDA GPUs"),
@@ -190,6 +191,7 @@ def test_multi_cpu_config_that_starts_one_process(cli, args, tmp_path):
     assert "only one was started" in proc.stderr and "cpu_ddp.yaml" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
 def test_plan_says_when_auto_falls_back_to_cpu(capsys, args):
     assert main(args("--dry-run")) == 0
     out = capsys.readouterr().out

@@ -4,11 +4,13 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import REFERENCES, ROOT, RUN, read_metrics, tiny_args, train_losses
+from conftest import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
 from framework.config import load_config
+from in_process import run_main
 
 REFERENCE = REFERENCES / "tiny_text_classification.json"
 
@@ -76,12 +78,26 @@ def test_saved_model_carries_labels_and_loads_in_pipeline(tiny_run):
     assert classify("the film was dull and awful")[0]["label"] == "neg"
 
 
-def test_second_run_reuses_the_tokenized_cache(tiny_run, cli, tiny_model, easy_data, hf_home, tmp_path):
+def arrow_files(cache: Path) -> dict:
+    return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in cache.rglob("*.arrow")}
+
+
+def test_second_run_reuses_the_tokenized_cache(cli, tiny_model, hf_home, tmp_path):
+    """A first run on data no earlier run has seen tokenizes it into Arrow files in the datasets cache; a
+    second run (another process) reads them back: it tokenizes nothing and writes no file there."""
+    from datasets import Dataset
+
+    data = write_csv(tmp_path / "unseen.csv", synthetic_rows(120, seed=21))
     cache = hf_home / "datasets"
-    before = {p: p.stat().st_mtime for p in cache.rglob("*.arrow")}
-    cli(tiny_args(tiny_model, easy_data, tmp_path / "again", "train.max_steps=2"))
-    after = {p: p.stat().st_mtime for p in cache.rglob("*.arrow")}
-    assert after == before  # nothing re-read, re-filtered or re-tokenized
+    before = arrow_files(cache)
+    first = cli(tiny_args(tiny_model, data, tmp_path / "first", "train.max_steps=2"))
+    after_first = arrow_files(cache)
+    tokenized = [p for p in set(after_first) - set(before) if "input_ids" in Dataset.from_file(str(p)).column_names]
+    assert len(tokenized) == 2, sorted(after_first)  # the train and eval splits
+    assert "Tokenizing" in first.stderr
+    second = cli(tiny_args(tiny_model, data, tmp_path / "second", "train.max_steps=2"))
+    assert arrow_files(cache) == after_first  # nothing re-read, re-filtered or re-tokenized, nothing rewritten
+    assert "Tokenizing" not in second.stderr
 
 
 def test_refuses_to_overwrite_then_overwrites_when_told(cli, tiny_model, easy_data, tmp_path):
@@ -89,9 +105,33 @@ def test_refuses_to_overwrite_then_overwrites_when_told(cli, tiny_model, easy_da
     cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=2"))
     before = (out / "summary.json").read_text()
     proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=3"), check=False)
-    assert proc.returncode == 2 and "already holds another run's outputs" in proc.stderr
+    # The message names the folder and the way out (its wording differs for a finished and an unfinished run).
+    assert proc.returncode == 2 and f"the run in {out} already finished" in proc.stderr
+    assert "overwrite=true" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (out / "summary.json").read_text() == before  # nothing lost
     cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=3", "overwrite=true"))
     assert json.loads((out / "summary.json").read_text())["train"]["steps"] == 3
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3]  # the old log is gone
+
+
+def test_tensorboard_logs_the_values_of_metrics_jsonl(tiny_model, easy_data, hf_home, tmp_path):
+    """report_to: [tensorboard] writes event files whose scalars are metrics.jsonl's numbers at the same
+    steps (TensorBoard keeps float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    assert run_main(tiny_args(tiny_model, easy_data, out, "train.max_steps=6", "eval.every_steps=3",
+                              "report_to=[tensorboard]"), hf_home) == 0
+    scalars = {}
+    for folder in {p.parent for p in out.rglob("events.out.tfevents.*")}:
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    records = read_metrics(out)
+    for key, steps in (("loss", [1, 2, 3, 4, 5, 6]), ("lr", [1, 2, 3, 4, 5, 6]), ("eval_loss", [3, 6]),
+                       ("eval_accuracy", [3, 6])):
+        logged = {r["step"]: r[key] for r in records if key in r}
+        assert list(logged) == steps, key
+        assert scalars[key] == {step: float(np.float32(value)) for step, value in logged.items()}, key
