@@ -26,8 +26,10 @@ from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
 from framework.report import write_text
 
+TRACKER_PROJECT = "framework"  # the project name the trackers log under, a folder of output_dir
 # What a run writes into output_dir (the run contract). Finding any of them means another run was here.
-RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints")
+RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints",
+               TRACKER_PROJECT)  # the trackers' logs (tensorboard's event files) are in output_dir/<project>
 STATE_FILE = "trainer_state.json"
 
 

@@ -68,7 +68,15 @@ def _read_file(path: str, key: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
-        raise UserError(f"data.{key}: cannot read {path} as {builder}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"data.{key}: cannot read {path} as {builder}: {_root_cause(e)}") from None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's first line: datasets wraps the reader's own message ("An error occurred while
+    generating the dataset") around the one that says what is wrong."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def _read_hub(cfg: DataConfig, split: str) -> datasets.Dataset:

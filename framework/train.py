@@ -388,7 +388,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         write_text(out / "config.yaml", to_yaml(cfg))
     acc.wait_for_everyone()
     if cfg.report_to:
-        acc.init_trackers("framework", config={"recipe": to_yaml(cfg)})
+        acc.init_trackers(checkpoint.TRACKER_PROJECT, config={"recipe": to_yaml(cfg)})
 
     first_step, first_tokens = state.step, state.tokens
     reporter = Reporter(acc, out, run.total_steps, initial_step=state.step)

@@ -223,3 +223,13 @@ def test_make_run_continues_its_newest_unfinished_run(tmp_path):
     started = make_run()
     assert "training into" in started and f"output_dir={tmp_path}/default-2" in started
     assert str(unfinished_run) not in started and str(finished) not in started
+
+
+def test_overwrite_replaces_the_trackers_logs_too(capsys, tiny_model, easy_data, hf_home, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args(tiny_model, easy_data, out, "train.max_steps=2", "report_to=[tensorboard]")
+    assert run_main(args, hf_home) == 0
+    first = set(out.rglob("events.out.tfevents.*"))
+    assert run_main(args + ["overwrite=true"], hf_home) == 0
+    second = set(out.rglob("events.out.tfevents.*"))
+    assert second and len(second) == len(first) and not first & second  # only the new run's, not both mixed
