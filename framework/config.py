@@ -38,7 +38,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_file: Optional[str] = None
-    """Training data: csv, tsv, json, jsonl or parquet, optionally compressed (.gz, .bz2, .xz, .zst)."""
+    """Training data: csv, tsv, json, jsonl or parquet, optionally compressed (.gz, .bz2, .xz, .zst, .zip)."""
     eval_file: Optional[str] = None
     """Evaluation data in the same formats. Without it, ``eval_fraction`` of the training rows is held out."""
     dataset: Optional[str] = None

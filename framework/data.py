@@ -59,7 +59,7 @@ def _format(path: str, key: str) -> tuple:
         suffixes.pop()
     if not suffixes or suffixes[-1] not in _FORMATS:
         known = ", ".join(_FORMATS)
-        raise UserError(f"data.{key}: cannot tell the format of {path}; use one of {known} (optionally .gz/.bz2/.xz/.zst)")
+        raise UserError(f"data.{key}: cannot tell the format of {path}; use one of {known} (optionally .gz/.bz2/.xz/.zst/.zip)")
     return _FORMATS[suffixes[-1]]
 
 
