@@ -53,21 +53,25 @@ def start_point(cfg: RunConfig) -> StartPoint:
 
     A run never continues a checkpoint trained with a different recipe (any key that changes the training
     trajectory; see ``config.RESUME_FREE_KEYS``), never writes over another run's outputs unless the recipe
-    says ``overwrite: true``, and never writes outside its own ``output_dir``. ``overwrite: true`` does not
-    replace an unfinished run of the same recipe: rerunning the command that was interrupted resumes it.
+    says ``overwrite: true``, and never writes outside its own ``output_dir``. The same command run again
+    continues its own unfinished run, also with ``overwrite: true``, which replaces only a finished run or
+    one of another recipe.
     """
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir: {out} is a file; choose a folder")
     found = previous_outputs(out)
     finished = (out / "summary.json").exists()
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never"):
-        return _resume_path(cfg, Path(resume), out, found, finished)
+    source, notes = _resume_source(cfg)  # checkpoint.resume: PATH, read only
+    if source is not None and source.resolve().parent == (out / "checkpoints").resolve():
+        if finished:  # one of this output_dir's own checkpoints
+            raise UserError(f"output_dir: the run in {out} already finished; resuming its {source.name} in place "
+                            "would replace its model and summary: choose a new output_dir=... to resume from it")
+        return StartPoint(source, continues_log=True, notes=notes)
     if not found:
-        return StartPoint()
-    replace = StartPoint(clear=True, notes=[f"overwrite: replacing the earlier run's outputs in {out}"])
-    if resume == "never" or finished:
+        return StartPoint(source, notes=notes)
+    replace = StartPoint(source, clear=True, notes=notes + [f"overwrite: replacing the earlier run's outputs in {out}"])
+    if cfg.checkpoint.resume == "never" or finished:
         if cfg.overwrite:
             return replace
         if finished:
@@ -75,7 +79,8 @@ def start_point(cfg: RunConfig) -> StartPoint:
                             "nothing to resume; choose a new output_dir=... or pass overwrite=true")
         raise UserError(f"output_dir: {out} already holds another run's outputs ({', '.join(found)}) and "
                         "checkpoint.resume is never; choose a new output_dir=... or pass overwrite=true")
-    newest, notes = newest_complete(out / "checkpoints")
+    # An unfinished run: this same command interrupted (resumed), or another recipe's (refused or replaced).
+    newest, skipped = newest_complete(out / "checkpoints")
     saved = saved_recipe(newest) if newest else _recipe_file(out / "config.yaml")
     changed, harmless = recipe_differences(saved, cfg)
     if changed:
@@ -87,18 +92,22 @@ def start_point(cfg: RunConfig) -> StartPoint:
                         + "\n  - ".join(changed) + f"\nEither rerun the original recipe ({out / 'config.yaml'}) "
                         "to resume it, or choose a new output_dir=... for this recipe (or pass overwrite=true "
                         "to replace the unfinished run)")
-    if newest is None:  # the same recipe, stopped before its first checkpoint: nothing to lose
-        return StartPoint(clear=True, notes=notes + [f"{out} holds an unfinished run of this recipe without a "
-                                                     "checkpoint; starting it over"])
-    notes += [f"resuming with a changed setting that cannot change the result: {line}" for line in harmless]
+    notes = skipped + (notes if newest is None else [_free_change(line) for line in harmless])
     if cfg.overwrite:
         notes.append(f"overwrite: {out} holds an unfinished run of this same recipe, so it is resumed, not "
                      "replaced; add checkpoint.resume=never to start over")
+    if newest is None:  # stopped before its first checkpoint: nothing to lose
+        again = f"from {source} again" if source else "over"
+        return StartPoint(source, clear=True, notes=notes + [f"{out} holds an unfinished run of this recipe "
+                                                             f"without a checkpoint; starting it {again}"])
     return StartPoint(newest, continues_log=True, notes=notes)
 
 
-def _resume_path(cfg: RunConfig, path: Path, out: Path, found: List[str], finished: bool) -> StartPoint:
-    """``checkpoint.resume: PATH``: that checkpoint, read only; everything written goes to ``output_dir``."""
+def _resume_source(cfg: RunConfig) -> Tuple[Optional[Path], List[str]]:
+    """``checkpoint.resume: PATH``: that checkpoint, verified and trained with this recipe; else None."""
+    if cfg.checkpoint.resume in ("auto", "never"):
+        return None, []
+    path = Path(cfg.checkpoint.resume)
     problem = verify(path)
     if problem:
         raise UserError(f"checkpoint.resume: {path} cannot be resumed from: {problem}")
@@ -108,16 +117,11 @@ def _resume_path(cfg: RunConfig, path: Path, out: Path, found: List[str], finish
                         "continue another training run. What differs:\n  - " + "\n  - ".join(changed)
                         + "\nRun the checkpoint's own recipe (its trainer_state.json holds it), or set "
                         "checkpoint.resume=never to train this recipe from the start")
-    notes = [f"resuming with a changed setting that cannot change the result: {line}" for line in harmless]
-    if path.resolve().parent == (out / "checkpoints").resolve():  # one of this output_dir's own checkpoints
-        if finished:
-            raise UserError(f"output_dir: the run in {out} already finished; resuming its {path.name} in place "
-                            "would replace its model and summary: choose a new output_dir=... to resume from it")
-        return StartPoint(path, continues_log=True, notes=notes)
-    if found and not cfg.overwrite:
-        raise UserError(f"output_dir: {out} already holds another run's outputs ({', '.join(found)}); resuming "
-                        f"from {path} writes into output_dir, so choose a new output_dir=... or pass overwrite=true")
-    return StartPoint(path, clear=bool(found), notes=notes)
+    return path, [_free_change(line) for line in harmless]
+
+
+def _free_change(line: str) -> str:
+    return f"resuming with a changed setting that cannot change the result: {line}"
 
 
 def saved_recipe(path: Path) -> Optional[Dict]:
@@ -218,7 +222,7 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    device.save_state(accelerator, str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}

@@ -126,8 +126,19 @@ def test_resume_from_a_path_into_another_runs_output_dir_is_refused(capsys, tiny
     before = snapshot(other)
     status, _, err = run(capsys, hf_home, tiny_args(tiny_model, easy_data, other, *COMMON,
                                                     f"checkpoint.resume={unfinished}/checkpoints/step_10"))
-    assert status == 2 and "already holds another run's outputs" in err and "new output_dir" in err
+    assert status == 2 and f"the run in {other} already finished" in err and "new output_dir" in err
     assert snapshot(other) == before
+
+
+def test_a_run_resumed_from_a_path_and_killed_resumes_again_with_the_same_command(hf_home, tiny_model, easy_data,
+                                                                                runs, unfinished, tmp_path):
+    """The same command again continues the run's own newer checkpoint (step 15), not the path's (step 10)."""
+    out = tmp_path / "continued"
+    args = tiny_args(tiny_model, easy_data, out, *COMMON, f"checkpoint.resume={unfinished}/checkpoints/step_10")
+    proc = crash_then_resume(hf_home, args, kill_at_micro=7)  # step 17 of 20, after step 15's checkpoint
+    assert f"resuming from {out}/checkpoints/step_15" in proc.stdout
+    assert_same_weights(runs[0], out)
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(11, 21))
 
 
 def test_resume_from_a_path_with_another_recipe_is_refused(capsys, tiny_model, easy_data, hf_home, unfinished,
@@ -202,7 +213,7 @@ def test_values_from_the_environment_are_never_written_out(capsys, tiny_model, e
     for path in written:
         assert secret.encode() not in path.read_bytes(), path
     assert "token: ${oc.env:FRAMEWORK_TEST_TOKEN}" in (out / "config.yaml").read_text()
-    assert run_main(args[:2] + ["--print-config"], hf_home) == 0
+    assert run_main(["--print-config", *args], hf_home) == 0
     assert secret not in capsys.readouterr().out
 
 
