@@ -358,6 +358,12 @@ def _xla_loaders_with_dataset() -> None:
         MpDeviceLoaderWrapper.dataset = property(lambda self: self._loader.dataset)
 
 
+def save_state(accelerator: Accelerator, folder: str) -> None:
+    """``accelerator.save_state``, on XLA in torch's format: accelerate loads a safetensors checkpoint through
+    safetensors' ``load_model``, which reads storage pointers that XLA tensors do not have (resume failed)."""
+    accelerator.save_state(folder, safe_serialization=not _on_xla(accelerator))
+
+
 def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """Move the model to its device before the optimizer is built over its parameters: fused optimizers
     check the device, and on XLA the parameters must already be device tensors. FSDP and DeepSpeed place

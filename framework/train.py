@@ -187,7 +187,7 @@ class Saves:
 
     def __init__(self, run: Run, signals: Signals):
         self.run, self.signals = run, signals
-        self.last = time.monotonic()
+        self.last, self.saved_step = time.monotonic(), None
         minutes = run.cfg.checkpoint.every_minutes
         self.seconds = minutes * 60 if minutes else None
         # One process reads its own flags every step; several must agree (an all-reduce and a host read),
@@ -197,7 +197,7 @@ class Saves:
     def save(self, state: TrainState, window: LossWindow) -> None:
         with self.run.compile_watch.host_work():
             _save_checkpoint(self.run, state, window)
-        self.last = time.monotonic()
+        self.last, self.saved_step = time.monotonic(), state.step
 
     def after_step(self, state: TrainState, window: LossWindow) -> None:
         every = self.run.cfg.checkpoint.every_steps
@@ -210,7 +210,7 @@ class Saves:
         due = self.seconds is not None and time.monotonic() - self.last >= self.seconds
         with self.run.compile_watch.host_work():
             stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
-        if stop or due:
+        if (stop or due) and self.saved_step != state.step:  # not saved at this step by every_steps already
             self.save(state, window)
         if stop:
             raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; checkpoint saved, "
