@@ -4,24 +4,20 @@ Usage: ``python benchmarks/trainer_loop.py --config RECIPE [KEY=VALUE ...]``, th
 ``recipes/run.py``. Settings and data come from the framework, as in raw_loop.py. TrainingArguments mirror
 the recipe: per-device batch, drop_last, no pinned memory (the other loops do not pin), linear schedule
 with the same warmup steps, fp32, the same seed (hence the same seedable shuffle), no clipping. The
-optimizer is the raw loop's AdamW (same parameter groups and kernel), passed in through ``optimizers=``:
-TrainingArguments can name torch's fused kernel or its per-parameter loop, but not the multi-tensor
-(foreach) kernel the framework uses on the CPU. Logging, saving and evaluation during training are off;
-after training it does the framework's final work: one eval pass and save_pretrained.
+optimizer is the raw loop's AdamW (the same parameter groups, and the kernel the framework picks: fused on
+the CPU and CUDA), passed in through ``optimizers=`` so that one piece of code builds it for the raw loop
+and the Trainer. Logging, saving and evaluation during training are off; after training it does the
+framework's final work: one eval pass and save_pretrained. (benchmarks/trainer_job.py is the other use of
+the Trainer: on its own defaults, as a user runs it.)
 """
 
 import math
 import sys
 from pathlib import Path
 
-import numpy as np
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
-from common import adamw, load_data_and_model, read_recipe
-
-
-def accuracy(prediction) -> dict:
-    return {"accuracy": float(np.mean(prediction.predictions.argmax(-1) == prediction.label_ids))}
+from common import accuracy, adamw, load_data_and_model, read_recipe
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ It records:
   just before the launch), so the end of step 1 is the time to first step;
 - the process's CPU time (``time.process_time()``) at the end of every step: with one thread per
   process it measures the work a step costs, whatever else the machine is doing;
-- the optimizer's class, kernel (foreach/fused), hyperparameters and parameter groups, at step 1;
+- the optimizer's class, kernel (foreach/fused), hyperparameters and parameter groups, and torch's
+  intra-op thread count, at step 1;
 - the first and the latest loss passed to ``backward``, read only at exit (no extra host sync);
 - on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
 
@@ -48,6 +49,7 @@ def _install(out: str) -> None:
         step_cpu.append(time.process_time())
         if len(step_ends) == 1:
             record["optimizer"] = describe(optimizer)
+            record["threads"] = torch.get_num_threads()
 
     def describe(optimizer) -> dict:
         """What must be equal across the loops: kernel, hyperparameters, and which parameters decay."""
