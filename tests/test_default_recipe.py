@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, write_csv
 from framework.config import load_config
 from framework.data import LABELS, load_splits
 
@@ -27,3 +27,14 @@ def test_default_recipe_on_a_sample_beats_the_majority_class(cli, tmp_path, monk
     labels = np.array(load_splits(cfg.data, cfg.seed).eval[LABELS])
     majority = np.bincount(labels).max() / len(labels)
     assert accuracy >= majority + 0.1, (accuracy, majority)
+
+
+def test_the_default_recipe_is_a_template_for_a_users_own_file(cli, tmp_path):
+    """`recipes/run.py` with no --config, on a file of other columns and other labels: nothing
+    dataset-specific (such as a label filter) is inherited from the default recipe."""
+    rows = [{"review": f"review number {i} of the film", "sentiment": ("pos", "neg", "meh")[i % 3]} for i in range(90)]
+    data = write_csv(tmp_path / "mine.csv", rows)
+    proc = cli(["--dry-run", f"data.train_file={data}", "data.text_column=review", "data.label_column=sentiment",
+                f"output_dir={tmp_path / 'out'}"])
+    assert "train_examples: 81" in proc.stdout and "eval_examples: 9" in proc.stdout  # 90 rows, 10% held out
+    assert "parameters: 22.7" in proc.stdout  # the default recipe's MiniLM, with a head for the 3 labels
