@@ -1,10 +1,11 @@
 """Run outputs on disk: who owns ``output_dir``; checkpoints that are atomic, verified, retained and
-resumed; preemption; saving the model.
+resumed (only with the recipe and device count that trained them); preemption; saving the model.
 
 A checkpoint is ``accelerator.save_state`` (model, optimizer, scheduler, grad scaler, every process's RNG
-states) plus ``trainer_state.json`` (the loop's counters and a manifest of every file with its size and
-SHA-256). It is written into a hidden temporary folder and renamed to ``checkpoints/step_N`` only when
-complete, so a folder with that name was fully written; the manifest catches later damage.
+states) plus ``trainer_state.json`` (the loop's counters, the recipe, the device count, and a manifest of
+every file with its size and SHA-256). It is written into a hidden temporary folder and renamed to
+``checkpoints/step_N`` only when complete, so a folder with that name was fully written; the manifest
+catches later damage.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def recipe_differences(saved: Optional[Dict], cfg: RunConfig) -> Tuple[List[str]
     return resume_differences(saved, cfg)
 
 
-def check_processes(path: Path, devices: int) -> None:
+def check_devices(path: Path, devices: int) -> None:
     """A checkpoint resumes only on as many devices as wrote it: each process's data position and random
     state are in it, and the effective batch (per device x devices) must stay what the recipe says."""
     saved = json.loads((path / STATE_FILE).read_text()).get("devices")

@@ -73,7 +73,7 @@ def setup(cfg: RunConfig) -> Run:
 
     accelerator = device.build_accelerator(cfg)
     if start.resume_from is not None:
-        checkpoint.check_processes(start.resume_from, accelerator.num_processes * device.spmd_devices())
+        checkpoint.check_devices(start.resume_from, accelerator.num_processes * device.spmd_devices())
     set_seed(cfg.seed)
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
