@@ -98,19 +98,25 @@ def _strategy_key(cfg: RunConfig) -> str:
     return chosen if chosen == cfg.distributed.strategy else f"{chosen} (auto, from the launch config)"
 
 
+def _auto_xla(cfg: RunConfig) -> bool:
+    """Whether backend auto gets XLA: torch_xla is installed, not switched off (USE_TORCH_XLA=0), and there
+    is no CUDA device."""
+    xla = has_xla() and os.environ.get("USE_TORCH_XLA", "1").lower() not in ("0", "false", "no")
+    return cfg.backend == "auto" and xla and not torch.cuda.is_available()
+
+
 def _auto_means_cpu(cfg: RunConfig) -> bool:
     """backend auto on a machine where accelerate finds neither torch_xla nor CUDA. The Accelerator must then
     be asked for the CPU explicitly: under a multi-process launcher (torchrun sets LOCAL_RANK) it would
     otherwise set up an independent single-process run in every launched process."""
-    xla = has_xla() and os.environ.get("USE_TORCH_XLA", "1").lower() not in ("0", "false", "no")
-    return cfg.backend == "auto" and not xla and not torch.cuda.is_available()
+    return cfg.backend == "auto" and not _auto_xla(cfg) and not torch.cuda.is_available()
 
 
 def check(cfg: RunConfig) -> None:
     """Refuse, before anything is built, the combinations that cannot work here."""
     backend, precision, strategy_ = cfg.backend, cfg.precision, strategy(cfg)
     cuda = torch.cuda.is_available()
-    xla = backend == "xla" or (backend == "auto" and has_xla() and not cuda)
+    xla = backend == "xla" or _auto_xla(cfg)
     if backend == "xla" and not has_xla():
         raise UserError(f"backend: xla needs torch_xla, which is not installed; {XLA_INSTALL}")
     if backend == "gpu" and not cuda:
@@ -422,16 +428,18 @@ def xla_stats(accelerator: Accelerator) -> Optional[Dict[str, float]]:
     """Compilation and execution counters from torch_xla.debug.metrics; None off XLA."""
     if not _on_xla(accelerator):
         return None
+    compiles, compile_seconds = _xla_metric("CompileTime")
+    executions, execute_seconds = _xla_metric("ExecuteTime")
+    return {"compiles": compiles, "compile_seconds": compile_seconds, "executions": executions,
+            "execute_seconds": execute_seconds, "transfers_to_host": _xla_metric("TransferFromDeviceTime")[0]}
+
+
+def _xla_metric(name: str) -> tuple:
+    """(count, total seconds) of a torch_xla timing metric; reading it touches no device."""
     import torch_xla.debug.metrics as met
 
-    def metric(name: str) -> tuple:
-        data = met.metric_data(name)
-        return (data[0], data[1] / 1e9) if data else (0, 0.0)
-
-    compiles, compile_seconds = metric("CompileTime")
-    executions, execute_seconds = metric("ExecuteTime")
-    return {"compiles": compiles, "compile_seconds": compile_seconds, "executions": executions,
-            "execute_seconds": execute_seconds, "transfers_to_host": metric("TransferFromDeviceTime")[0]}
+    data = met.metric_data(name)
+    return (data[0], data[1] / 1e9) if data else (0, 0.0)
 
 
 class CompileWatch:
@@ -452,8 +460,7 @@ class CompileWatch:
         self._mark = self._transfers()
 
     def _transfers(self) -> Optional[int]:
-        stats = xla_stats(self.accelerator)
-        return None if stats is None else stats["transfers_to_host"]
+        return _xla_metric("TransferFromDeviceTime")[0] if _on_xla(self.accelerator) else None
 
     @contextmanager
     def host_work(self):

@@ -208,7 +208,10 @@ class Saves:
 
     def stop_or_save(self, state: TrainState, window: LossWindow) -> None:
         due = self.seconds is not None and time.monotonic() - self.last >= self.seconds
-        with self.run.compile_watch.host_work():
+        # One process decides from its own flags, every step and without touching the device; several
+        # agree with an all-reduce, a host read at log steps.
+        several = self.run.accelerator.num_processes > 1
+        with self.run.compile_watch.host_work() if several else nullcontext():
             stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
         if (stop or due) and self.saved_step != state.step:  # not saved at this step by every_steps already
             self.save(state, window)
