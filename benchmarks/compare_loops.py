@@ -130,6 +130,66 @@ def paired(runs: List[Dict], metric: str, numerator: str, denominator: str) -> f
     return statistics.median(a / b for a, b in zip(by_loop[numerator], by_loop[denominator]))
 
 
+# What the probed cases share (LoopCase here, compare_lm.py's LMCase): the probe in their children and the
+# measurements over the window of steady steps it records.
+
+
+def probe_env(base: Dict[str, str], probe_file: Optional[Path], steps: Optional[int], skip: int) -> Dict[str, str]:
+    """A probed case's child environment: for a measured run (``probe_file`` set), ``benchmarks/probe`` on
+    PYTHONPATH and its settings (where to write, the steps to expect, the warm-up steps to leave out)."""
+    env = dict(base)
+    if probe_file is not None:
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), env.get("PYTHONPATH")])),
+                   BENCH_PROBE_OUT=str(probe_file), BENCH_STEPS=str(steps), BENCH_SKIP_STEPS=str(skip))
+    return env
+
+
+def probe_measure(loop: str, steps: Optional[int], device: str, done: Finished, skip: int, unit: str,
+                  per_step: int, sides: str) -> Dict:
+    """A probed run's measurements, from the probe's file: ``unit`` (samples, tokens; ``per_step`` of them in
+    each optimizer step) per second over the steady window, from the end of step ``skip`` to the end of the
+    last step, by the window's mean and by its median step, and per CPU second over the same window; time to
+    first step, total wall, peak memory (the CUDA allocator's on a GPU, else the process's RSS), the first and
+    last losses, the optimizer and the thread count. Exits if the run did not make ``steps`` optimizer steps
+    (``sides``, the word for the case's sides in that message)."""
+    p = json.loads(done.probe_file.read_text())
+    ends = p["step_ends"]
+    if len(ends) != steps:
+        sys.exit(f"{loop}: {len(ends)} optimizer steps instead of {steps}; the {sides} did not do the same work")
+    window = ends[skip - 1:]  # from the end of step `skip` to the end of the last step
+    cpu = p["step_cpu_seconds"][skip - 1:]
+    peak = p["cuda_peak_bytes"] if device == "gpu" else done.peak_rss_bytes
+    return {
+        "loop": loop,
+        "time_to_first_step_s": ends[0],
+        f"steady_{unit}_per_s": (len(window) - 1) * per_step / (window[-1] - window[0]),
+        f"median_step_{unit}_per_s": per_step / statistics.median(b - a for a, b in zip(window, window[1:])),
+        f"{unit}_per_cpu_s": (len(cpu) - 1) * per_step / (cpu[-1] - cpu[0]),
+        "total_wall_s": done.wall,
+        "peak_memory_mib": peak / MIB,
+        "first_loss": p["first_loss"],
+        "last_loss": p["last_loss"],
+        "optimizer": p["optimizer"],
+        "threads": p["threads"],
+    }
+
+
+def probe_lines(runs: List[Dict], summary: Dict, loops: Dict, sides: str, unit: str, digits: int) -> List[str]:
+    """The end of a probed case's report: whether every run had the same thread count, the targets, and each
+    run's steady ``unit``/s (by the window's mean and by its median step, ``digits`` decimals)."""
+    if summary["same_threads"]:
+        lines = ["", f"CPU threads (torch.get_num_threads), the same in every run: {runs[0]['threads']}."]
+    else:
+        lines = ["", f"WARNING: the {sides} ran with different thread counts: " + "; ".join(
+            f"{r['loop']} {r['threads']}" for r in runs[:len(loops)]) + "."]
+    rate = f".{digits}f"
+    return lines + ["", targets_line(summary), "",
+                    f"Steady {unit}/s per run, window mean (from the median step): " + "; ".join(
+                        f"{loop} " + ", ".join(f"{format(r[f'steady_{unit}_per_s'], rate)} "
+                                               f"({format(r[f'median_step_{unit}_per_s'], rate)})"
+                                               for r in runs if r["loop"] == loop) for loop in loops) + "."]
+
+
 @dataclass
 class Case:
     """One comparison: its sides (``loops``: name -> command prefix), each run in its own process."""
@@ -209,33 +269,10 @@ class LoopCase(Case):
         return [*self.loops[loop], "--config", str(RECIPE), *self.recipe_overrides(device, output_dir, steps)]
 
     def env(self, base: Dict[str, str], probe_file: Optional[Path], steps: Optional[int]) -> Dict[str, str]:
-        env = dict(base)
-        if probe_file is not None:
-            env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), env.get("PYTHONPATH")])),
-                       BENCH_PROBE_OUT=str(probe_file), BENCH_STEPS=str(steps), BENCH_SKIP_STEPS=str(self.skip))
-        return env
+        return probe_env(base, probe_file, steps, self.skip)
 
     def measure(self, loop: str, steps: Optional[int], device: str, done: Finished) -> Dict:
-        p = json.loads(done.probe_file.read_text())
-        ends = p["step_ends"]
-        if len(ends) != steps:
-            sys.exit(f"{loop}: {len(ends)} optimizer steps instead of {steps}; the loops did not do the same work")
-        window = ends[self.skip - 1:]  # from the end of step `skip` to the end of the last step
-        cpu = p["step_cpu_seconds"][self.skip - 1:]
-        peak = p["cuda_peak_bytes"] if device == "gpu" else done.peak_rss_bytes
-        return {
-            "loop": loop,
-            "time_to_first_step_s": ends[0],
-            "steady_samples_per_s": (len(window) - 1) * self.batch / (window[-1] - window[0]),
-            "median_step_samples_per_s": self.batch / statistics.median(b - a for a, b in zip(window, window[1:])),
-            "samples_per_cpu_s": (len(cpu) - 1) * self.batch / (cpu[-1] - cpu[0]),
-            "total_wall_s": done.wall,
-            "peak_memory_mib": peak / MIB,
-            "first_loss": p["first_loss"],
-            "last_loss": p["last_loss"],
-            "optimizer": p["optimizer"],
-            "threads": p["threads"],
-        }
+        return probe_measure(loop, steps, device, done, self.skip, "samples", self.batch, sides="loops")
 
     def summarize(self, runs: List[Dict]) -> Dict:
         per_loop = medians(runs, self.loops, self.METRICS)
@@ -279,15 +316,7 @@ class LoopCase(Case):
         else:
             lines += ["", "WARNING: the loops' optimizers differ, so they did not do the same work: " + "; ".join(
                 f"{r['loop']} {json.dumps(r['optimizer'])}" for r in runs[:len(loops)]) + "."]
-        if summary["same_threads"]:
-            lines += ["", f"CPU threads (torch.get_num_threads), the same in every run: {runs[0]['threads']}."]
-        else:
-            lines += ["", "WARNING: the loops ran with different thread counts: " + "; ".join(
-                f"{r['loop']} {r['threads']}" for r in runs[:len(loops)]) + "."]
-        lines += ["", targets_line(summary), "",
-                  "Steady samples/s per run, window mean (from the median step): " + "; ".join(
-                      f"{loop} " + ", ".join(f"{r['steady_samples_per_s']:.1f} ({r['median_step_samples_per_s']:.1f})"
-                                             for r in runs if r["loop"] == loop) for loop in loops) + "."]
+        lines += probe_lines(runs, summary, loops, sides="loops", unit="samples", digits=1)
         return "\n".join(lines)
 
 
@@ -423,6 +452,40 @@ class Bench:
         shutil.rmtree(out)  # the saved model (90 MB for MiniLM) and checkpoints are not needed
         return result
 
+    def rounds(self, case: Case, rounds: int, label: str = "", tag: str = "", word: str = "run") -> List[Dict]:
+        """One unmeasured warm-up run of each side (2 steps), then ``rounds`` rounds that run the sides in turn;
+        returns the measured runs. Progress goes to stderr, each line after ``tag`` and each round called
+        ``word``; ``label`` starts the runs' labels (their folders and logs)."""
+        for loop in case.loops:
+            print(f"{tag}warm-up: {loop}", file=sys.stderr, flush=True)
+            self.run(case, loop, f"{label}{loop}-warmup", steps=2, measured=False)
+        runs = []
+        for i in range(rounds):
+            for loop in case.loops:
+                print(f"{tag}{word} {i + 1}/{rounds}: {loop}", file=sys.stderr, flush=True)
+                runs.append(self.run(case, loop, f"{label}{loop}-{i}", case.steps, measured=True))
+        return runs
+
+
+def add_device_and_threads(parser: argparse.ArgumentParser, threads_help: str) -> None:
+    """The ``--device`` and ``--threads`` options (here and in compare_lm.py); ``threads_help``: what
+    ``--threads`` reaches and its default in that script."""
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--threads", type=int, help=threads_help + ". On a machine shared with other work, 1 is "
+                        "far less sensitive to the other load")
+
+
+def child_env(device: str, threads: Optional[int]) -> Dict[str, str]:
+    """Every child's environment, before its case's changes: hub and datasets offline, no tokenizers
+    parallelism, OMP_NUM_THREADS=``threads`` when given, and one GPU with ``device`` gpu (the Trainer started
+    without a launcher would spread over every visible GPU, DataParallel), none otherwise (the end-to-end sides
+    pick their device themselves: let them find none)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] if device == "gpu" else ""
+    return env
+
 
 def revision() -> str:
     """The framework's commit, and whether the measured tree differs from it (it is measured as it is)."""
@@ -455,11 +518,8 @@ def main() -> None:
                         help="rounds: measured runs per side and case, the sides alternating in each (default 5)")
     parser.add_argument("--case", choices=["default", "tiny", "default_job", *CASE_GROUPS], default="loops",
                         help="loops (the default): default and tiny; all: those and default_job")
-    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--threads", type=int,
-                        help="CPU threads per training process (OMP_NUM_THREADS) in the loop-only cases; default: "
-                             "torch's, one per core. On a machine shared with other work, 1 is far less sensitive "
-                             "to the other load")
+    add_device_and_threads(parser, "CPU threads per training process (OMP_NUM_THREADS) in the loop-only cases; "
+                                   "default: torch's, one per core")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="a recipe override for every side of the chosen cases (after the case's own; the "
                              "loop-only cases' fixed settings still win), e.g. data.max_train_samples=256 for a "
@@ -474,14 +534,7 @@ def main() -> None:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = machine(args.device, args.threads)
     chosen = CASE_GROUPS.get(args.case, [args.case])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    if args.device == "gpu":
-        # One GPU: Trainer started without a launcher would spread over every visible GPU (DataParallel).
-        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the end-to-end sides pick their device themselves: let them find none
+    env = child_env(args.device, args.threads)
     report = {"date": started, "device": args.device, "machine": info, "repeats": args.repeats, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="compare_loops-") as tmp:
         work = Path(tmp)
@@ -503,14 +556,7 @@ def main() -> None:
         for name in chosen:
             case = cases[name]
             case.overrides = [*case.overrides, *args.overrides]
-            for loop in case.loops:
-                print(f"[{name}] warm-up: {loop}", file=sys.stderr, flush=True)
-                bench.run(case, loop, f"{name}-{loop}-warmup", steps=2, measured=False)
-            runs = []
-            for i in range(args.repeats):
-                for loop in case.loops:
-                    print(f"[{name}] run {i + 1}/{args.repeats}: {loop}", file=sys.stderr, flush=True)
-                    runs.append(bench.run(case, loop, f"{name}-{loop}-{i}", case.steps, measured=True))
+            runs = bench.rounds(case, args.repeats, label=f"{name}-", tag=f"[{name}] ")
             summary = case.summarize(runs)
             report["cases"][name] = {"settings": asdict(case), "runs": runs, **summary}
             print("\n" + case.markdown(runs, summary), flush=True)

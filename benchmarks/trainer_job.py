@@ -31,7 +31,7 @@ from pathlib import Path
 
 from transformers import Trainer, TrainingArguments
 
-from common import accuracy, load_data_and_model, read_recipe
+from common import accuracy, load_data_and_model, read_recipe, recipe_training_args
 
 
 def main() -> None:
@@ -42,22 +42,9 @@ def main() -> None:
                  "no optim.param_groups)")
     tokenizer, model, train_ds, eval_ds = load_data_and_model(cfg)
     args = TrainingArguments(
-        output_dir=cfg.output_dir,
-        use_cpu=cfg.backend == "cpu",  # like the framework, otherwise on the GPU when there is one
-        seed=cfg.seed,
+        **recipe_training_args(cfg),
         num_train_epochs=t.epochs,
-        max_steps=t.max_steps or -1,
-        per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.eval_batch_size or 2 * t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=o.lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.betas[0],
-        adam_beta2=o.betas[1],
-        adam_epsilon=o.eps,
-        lr_scheduler_type=o.scheduler,
-        warmup_steps=o.warmup_ratio if o.warmup_steps is None else o.warmup_steps,  # below 1: a ratio
-        max_grad_norm=t.max_grad_norm or 0.0,  # 0: no clipping
         train_sampling_strategy="group_by_length" if cfg.data.group_by_length else "random",
     )
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,

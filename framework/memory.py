@@ -130,11 +130,19 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
     return layers * per_layer
 
 
+def logit_estimate(model_config: object, batch_size: int, seq_length: int) -> int:
+    """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
+    vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward."""
+    return 2 * 4 * batch_size * seq_length * getattr(model_config, "vocab_size", 0)
+
+
 def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
-         distributed: Optional[DistributedConfig] = None) -> Dict[str, object]:
+         distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
+         token_logits: bool = False) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
-    sharding over ``num_processes``, activations for a full ``train.batch_size`` x ``data.max_length`` batch,
-    and their total on the device (offloaded states excluded). Call it on the model as loaded, before
+    sharding over ``num_processes``, activations for a full ``train.batch_size`` x ``seq_length`` batch (default
+    ``data.max_length``), with ``token_logits`` (language models) the logits of every token, and their total
+    on the device (offloaded states excluded). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
     the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
     launch config is that strategy, with the recipe's settings).
@@ -156,9 +164,12 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
     per_device = {k: math.ceil(v / num_processes) if k in sharded else v for k, v in full.items()}
     checkpointing = cfg.train.gradient_checkpointing or (distributed.strategy == "fsdp"
                                                          and distributed.fsdp.activation_checkpointing)
-    activations = activation_estimate(getattr(model, "config", None), cfg.train.batch_size, cfg.data.max_length,
-                                      4 if cfg.precision == "no" else 2, checkpointing)
-    on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0)
+    seq_length = seq_length or cfg.data.max_length
+    config = getattr(model, "config", None)
+    activations = activation_estimate(config, cfg.train.batch_size, seq_length, 4 if cfg.precision == "no" else 2,
+                                      checkpointing)
+    logits = logit_estimate(config, cfg.train.batch_size, seq_length) if token_logits else 0
+    on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
     return {
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": trainable_count,
@@ -168,12 +179,13 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
         "sharded": sorted(sharded),
         "offloaded": sorted(offloaded),
         "batch_size": cfg.train.batch_size,
-        "seq_length": cfg.data.max_length,
+        "seq_length": seq_length,
         "gradient_checkpointing": checkpointing,
         "weight_bytes": per_device["weights"],
         "gradient_bytes": per_device["gradients"],
         "optimizer_state_bytes": per_device["optimizer_state"],
         "activation_bytes": activations,
+        "logit_bytes": logits,
         "total_bytes": on_device,
     }
 
@@ -198,6 +210,8 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  gradients: {_mib(plan['gradient_bytes'])}{where('gradients')}",
         f"  optimizer state ({plan['optimizer']}): {_mib(plan['optimizer_state_bytes'])}{where('optimizer_state')}",
         f"  activations: {activations}",
+        *([f"  logits: {_mib(plan['logit_bytes'])} (batch x length x vocabulary, fp32, and their log-softmax)"]
+          if plan["logit_bytes"] else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
 

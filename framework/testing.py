@@ -24,3 +24,20 @@ def save_tiny_bert(folder: Path, words: Sequence[str], num_labels: int = 2) -> P
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_word_tokenizer(folder: Path, words: Sequence[str]) -> Path:
+    """A word-level tokenizer over ``words`` (lower-cased, split on whitespace and punctuation) with
+    ``<eos>``, ``<pad>``, ``<unk>`` and ``<mask>``: small vocabularies keep language-model tests fast."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<eos>", "<pad>", "<unk>", "<mask>"]
+    vocab = {w: i for i, w in enumerate(special + [w for w in dict.fromkeys(words) if w not in special])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>",
+                                        unk_token="<unk>", mask_token="<mask>", model_max_length=512)
+    tokenizer.save_pretrained(folder)
+    return folder

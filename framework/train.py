@@ -8,7 +8,6 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Dict, Optional
 
 import numpy as np
@@ -24,7 +23,7 @@ from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
 from framework.report import Reporter, write_json, write_text
 from framework.signals import Signals
-from framework.tasks import get_task
+from framework.tasks import Task, get_task
 
 
 @dataclass
@@ -48,12 +47,13 @@ class TrainState:
 class Run:
     cfg: RunConfig
     accelerator: Accelerator
-    task: ModuleType
+    task: Task
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
     train_dl: DataLoader
+    train_collate: object
     eval_dl: DataLoader
     steps_per_epoch: int
     total_steps: int
@@ -63,12 +63,23 @@ class Run:
     memory_plan: Dict[str, object]
 
 
+def load_model_and_data(cfg: RunConfig, task: Task):
+    """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
+    (or built), and the rows prepared by the task. Seed first: a new model or head draws from the global RNG."""
+    splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
+    model, tokenizer = task.load(cfg, splits.train, splits.eval)
+    return (model, tokenizer, task.prepare(splits.train, tokenizer, model, cfg),
+            task.prepare(splits.eval, tokenizer, model, cfg))
+
+
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
     # Cheap checks first, so a mistake is reported before any slow work.
     start = checkpoint.start_point(cfg)
     data.check_files(cfg.data)
-    hub.check_model_path(cfg.model.name_or_path)
+    for key in ("name_or_path", "tokenizer"):
+        if getattr(cfg.model, key):
+            hub.check_model_path(getattr(cfg.model, key), f"model.{key}")
     task = get_task(cfg.task)
 
     accelerator = device.build_accelerator(cfg)
@@ -77,11 +88,8 @@ def setup(cfg: RunConfig) -> Run:
     set_seed(cfg.seed)
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
-        splits = data.load_splits(cfg.data, cfg.seed)
-        model, tokenizer = task.load(cfg.model, splits.label_names)
-        data.check_max_length(cfg.data, tokenizer, model)
-        train_ds = data.tokenize(splits.train, tokenizer, cfg.data)
-        eval_ds = data.tokenize(splits.eval, tokenizer, cfg.data)
+        model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task)
+    eval_ds = data.longest_first(eval_ds)
 
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
@@ -92,17 +100,18 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
                         f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
                         f"{replicas} devices = {per_step}); lower train.batch_size")
-    buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator))
+    buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
     # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
     sampler = data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed)
     # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
     # state a checkpoint restores for dropout.
+    train_collate = task.collator(tokenizer, cfg, buckets)
     train_dl = DataLoader(train_ds, batch_size=loader_batch, shuffle=sampler is None, sampler=sampler,
-                          drop_last=True, collate_fn=data.collator(tokenizer, buckets),
+                          drop_last=True, collate_fn=train_collate,
                           num_workers=cfg.data.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
     eval_rows = (t.eval_batch_size or 2 * t.batch_size) * device.spmd_devices()
-    eval_collate = data.collator(tokenizer, buckets[-1:], rows=eval_rows) if buckets else data.collator(tokenizer, None)
+    eval_collate = task.collator(tokenizer, cfg, buckets[-1:] if buckets else None, rows=eval_rows if buckets else None)
     # Its own generator too: iterating a loader draws a seed, which would otherwise come from the global RNG
     # and shift dropout after every evaluation (evaluating more or less often must not change training).
     eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
@@ -115,7 +124,8 @@ def setup(cfg: RunConfig) -> Run:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = device.place_model(accelerator, model)
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
-    memory_plan = memory.plan(model, cfg, accelerator.num_processes)  # before prepare() shards anything
+    memory_plan = memory.plan(model, cfg, accelerator.num_processes, seq_length=task.sequence_length(cfg, model),
+                              token_logits=task.token_logits)  # before prepare() shards anything
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
 
     steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
@@ -138,31 +148,35 @@ def setup(cfg: RunConfig) -> Run:
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
-    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, eval_dl,
+    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
                memory_plan)
 
 
 class LossWindow:
-    """Training loss and token count, summed on the device and read only at log intervals: reading them
-    every step would force a host sync (and on XLA cut the step's graph) each step."""
+    """Training loss (a sum over targets, with their count) and tokens, summed on the device and read only at
+    log intervals: reading them every step would force a host sync (and on XLA cut the step's graph)."""
 
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
         self.loss_sum = device.zero_scalar(accelerator)
+        self.targets = device.zero_scalar(accelerator)
         self.tokens = device.zero_scalar(accelerator, torch.long)
         self.micro_steps, self.start = 0, time.perf_counter()
 
-    def add(self, loss: torch.Tensor, batch: Dict[str, torch.Tensor]) -> None:
-        self.loss_sum += loss.detach()
-        self.tokens += batch["attention_mask"].sum()
+    def add(self, loss_sum: torch.Tensor, targets, batch: Dict[str, torch.Tensor]) -> None:
+        self.loss_sum += loss_sum.detach()
+        self.targets += targets
+        self.tokens += batch["attention_mask"].sum()  # real tokens: padding never counts
         self.micro_steps += 1
 
     def close(self) -> tuple:
-        """Host sync: (mean loss over the window and all processes, micro-steps, seconds); starts a new window."""
-        loss = device.read_scalar(self.accelerator, self.loss_sum, "mean") / self.micro_steps
+        """Host sync: (mean loss per target over the window and all processes, micro-steps, seconds); starts
+        a new window."""
+        loss = device.read_scalar(self.accelerator, self.loss_sum, "sum") / device.read_scalar(
+            self.accelerator, self.targets, "sum")
         result = (loss, self.micro_steps, time.perf_counter() - self.start)
-        self.loss_sum = device.zero_scalar(self.accelerator)
+        self.loss_sum, self.targets = device.zero_scalar(self.accelerator), device.zero_scalar(self.accelerator)
         self.micro_steps, self.start = 0, time.perf_counter()
         return result
 
@@ -171,13 +185,15 @@ class LossWindow:
 
     def snapshot(self) -> dict:
         """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
-        processes: restored on every process, the next logged mean is the same."""
+        processes: restored on every process, the next logged sum over processes is the same."""
         return {"loss_sum": device.read_scalar(self.accelerator, self.loss_sum, "mean"),
+                "targets": device.read_scalar(self.accelerator, self.targets, "mean"),
                 "micro_steps": self.micro_steps}
 
     def restore(self, snapshot: Optional[dict]) -> None:
         if snapshot:
             self.loss_sum = self.loss_sum + snapshot["loss_sum"]
+            self.targets = self.targets + snapshot["targets"]
             self.micro_steps = snapshot["micro_steps"]
 
 
@@ -249,7 +265,7 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> No
 def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
                  local_sgd: Optional[LocalSGD], saves: Saves) -> bool:
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
-    acc, model, cfg = run.accelerator, run.model, run.cfg
+    acc, cfg = run.accelerator, run.cfg
     accum = cfg.train.gradient_accumulation_steps
     micro_per_epoch = run.steps_per_epoch * accum
     done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
@@ -257,20 +273,17 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
     # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
     batches.set_epoch(state.epoch)
+    if hasattr(run.train_collate, "set_epoch"):  # a collator that draws (MLM masks) does so per epoch too
+        run.train_collate.set_epoch(state.epoch)
+    step_batches = []
     for micro, batch in enumerate(batches, start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
-        batch = device.shard_batch(batch)
-        with acc.accumulate(model):
-            loss = run.task.train_loss(model, batch)
-            acc.backward(loss)
-            if acc.sync_gradients and cfg.train.max_grad_norm:
-                acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-            run.optimizer.step()
-            run.optimizer.zero_grad()
-        window.add(loss, batch)
-        if not acc.sync_gradients:
+        step_batches.append(device.shard_batch(batch))
+        if len(step_batches) < accum:
             continue
+        _optimizer_step(run, step_batches, window)
+        step_batches = []
         run.scheduler.step()
         if local_sgd is not None:
             local_sgd.step()
@@ -286,6 +299,27 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if state.step >= run.total_steps or state.stopped_early:
             return micro == micro_per_epoch - 1
     return True
+
+
+def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
+    """One optimizer step over its micro-batches. Its loss is the sum of every target's loss over the
+    number of targets of the whole step (all micro-batches, all processes): uneven micro-batches (token
+    counts) weigh each target alike, unlike a mean of per-batch means."""
+    acc, model, task = run.accelerator, run.model, run.task
+    counts = [task.targets(batch) for batch in batches]
+    total = device.total_over_processes(acc, sum(counts))
+    # accelerate divides each micro-batch's loss by the accumulation steps, and DDP/FSDP/DeepSpeed average
+    # the gradients over processes: this scale turns both back into the division by the step's total.
+    scale = acc.num_processes * len(batches) / total
+    for batch, count in zip(batches, counts):
+        with acc.accumulate(model):
+            loss_sum = task.loss_sum(model, batch)
+            acc.backward(loss_sum * scale)
+            if acc.sync_gradients and run.cfg.train.max_grad_norm:
+                acc.clip_grad_norm_(model.parameters(), run.cfg.train.max_grad_norm)
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        window.add(loss_sum, count, batch)
 
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
@@ -315,7 +349,7 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
         if metric is None:
             return
         greater = run.cfg.eval.greater_is_better
-        greater = metric != "loss" if greater is None else greater
+        greater = run.task.greater_is_better(metric) if greater is None else greater
         value = results[metric]
         if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
             state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
@@ -434,8 +468,15 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if xla is not None:
         summary["xla"] = {**xla, "warning": run.compile_watch.warning,
                           "transfers_in_steps": run.compile_watch.transfers_in_steps}
+    # After the XLA figures: generating compiles graphs of its own. Every process generates (the same greedy
+    # tokens), so sharded models (FSDP, DeepSpeed) run their collectives together.
+    sample = run.task.sample(acc.unwrap_model(run.model), run.tokenizer, cfg, run.eval_dl.dataset)
+    if sample is not None:
+        summary["sample"] = sample
+        if acc.is_main_process:
+            print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
     if acc.is_main_process:
         write_json(out / "summary.json", summary)
-        print(f"done: eval accuracy {summary['eval'].get('accuracy', float('nan')):.4f}, outputs in {out}")
+        print(f"done: eval {run.task.metric} {summary['eval'][run.task.metric]:.4f}, outputs in {out}")
     acc.end_training()
     return summary

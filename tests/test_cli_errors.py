@@ -37,8 +37,8 @@ def test_missing_data_file(capsys, args, tmp_path):
 
 
 def test_unknown_data_format(capsys, args, tmp_path):
-    (tmp_path / "data.txt").write_text("hello\n")
-    assert "cannot tell the format" in fails(capsys, args(f"data.train_file={tmp_path / 'data.txt'}"))
+    (tmp_path / "data.xlsx").write_text("hello\n")
+    assert "cannot tell the format" in fails(capsys, args(f"data.train_file={tmp_path / 'data.xlsx'}"))
 
 
 def test_column_not_in_data_names_the_columns(capsys, args):
@@ -48,7 +48,7 @@ def test_column_not_in_data_names_the_columns(capsys, args):
 
 def test_empty_after_filtering(capsys, args):
     err = fails(capsys, args("data.labels=[fresh,rotten]"))
-    assert "no rows with non-empty text and label with a label in data.labels" in err
+    assert "has no usable rows" in err and "filtered out by the recipe" in err
 
 
 def test_single_class(capsys, tiny_model, tmp_path):

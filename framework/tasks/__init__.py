@@ -1,16 +1,95 @@
-"""Tasks: one module each, exposing the same four functions.
+"""Tasks: everything that differs between what is trained, behind one interface.
 
-- ``load(model_cfg, label_names) -> (model, tokenizer)``
-- ``train_loss(model, batch) -> loss`` (a scalar tensor, mean over the batch)
-- ``eval_outputs(model, batch) -> dict`` of per-example tensors to gather across processes
-- ``metrics(gathered) -> dict`` of floats from the gathered per-example tensors
+A task is a module of this package holding ``TASK``, an instance of a :class:`Task` subclass. The loop, the
+devices, checkpoints and reports know nothing else about it. A task owns:
+
+- its recipe keys: ``check(cfg)`` returns the problems of the keys it reads (or refuses), like the config core;
+- model loading: ``load(cfg, raw)`` -> (model, tokenizer), pretrained (``model.name_or_path``) or from a
+  config (``model.config``); ``pipeline``: what the saved ``model/`` loads as in ``transformers.pipeline``;
+- data preparation: ``columns(cfg)`` (the columns its rows need) and ``keep_row`` (which rows are usable),
+  ``prepare(raw, tokenizer, model, cfg)`` -> features (tokenizing, labels, packing), and ``collator(...)``:
+  features -> batches, in dynamic or static shapes;
+- its loss, returned as a sum with what it is normalised by: ``targets(batch)`` counts the batch's targets
+  (examples, or target tokens) and ``loss_sum(model, batch)`` sums their losses. The loop divides by the
+  targets of the whole optimizer step (every micro-batch, every process), so a token loss is exact whatever
+  the accumulation and process count;
+- ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
+  evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
+- ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import Dict, List, Optional, Tuple
+
+import datasets
+import numpy as np
+import torch
+
+TASKS = ("text_classification", "causal_lm", "masked_lm")
 
 
-def get_task(name: str) -> ModuleType:
-    return importlib.import_module(f"framework.tasks.{name}")
+class Task:
+    name: str
+    pipeline: str  # what model/ loads as in transformers.pipeline()
+    metric: str  # the headline metric, printed at the end
+    lower_is_better = ("loss", "perplexity")
+    token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+
+    def check(self, cfg) -> List[str]:
+        """Problems with the recipe keys this task reads, each naming its key."""
+        return []
+
+    def columns(self, cfg) -> Dict[str, str]:
+        """Recipe key -> column name, for every column a row must have."""
+        raise NotImplementedError
+
+    def keep_row(self, cfg):
+        """A row filter (``row -> bool``) for unusable rows, or None."""
+        return None
+
+    def load(self, cfg, train: datasets.Dataset, evaluation: datasets.Dataset) -> Tuple[torch.nn.Module, object]:
+        """(model, tokenizer); the raw rows are there for what the model's shape depends on (the labels)."""
+        raise NotImplementedError
+
+    def prepare(self, ds: datasets.Dataset, tokenizer, model: torch.nn.Module, cfg) -> datasets.Dataset:
+        """Raw rows -> features (cached by the datasets fingerprint of everything they depend on)."""
+        raise NotImplementedError
+
+    def sequence_length(self, cfg, model: torch.nn.Module) -> int:
+        """The longest row, in tokens: the largest padding bucket on XLA."""
+        return cfg.data.max_length
+
+    def collator(self, tokenizer, cfg, buckets: Optional[List[int]], rows: Optional[int] = None):
+        """Features -> a batch. ``buckets``: the lengths to pad to (static shapes), None for dynamic padding;
+        ``rows``: evaluation on static shapes fills a short last batch up to ``rows`` and marks the real rows
+        in a ``valid`` column."""
+        raise NotImplementedError
+
+    def targets(self, batch: Dict[str, torch.Tensor]):
+        """What the batch's loss is normalised by (an int, or a device tensor for a count only the data knows)."""
+        raise NotImplementedError
+
+    def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def metric_names(self) -> Tuple[str, ...]:
+        raise NotImplementedError
+
+    def greater_is_better(self, name: str) -> bool:
+        return name not in self.lower_is_better
+
+    def sample(self, model: torch.nn.Module, tokenizer, cfg, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
+        """Something to read at the end of a run (a generation), logged and written into summary.json."""
+        return None
+
+
+def get_task(name: str) -> Task:
+    return importlib.import_module(f"framework.tasks.{name}").TASK

@@ -1,64 +1,157 @@
-"""Sequence classification with ``AutoModelForSequenceClassification``: accuracy and macro F1."""
+"""Sequence classification with ``AutoModelForSequenceClassification``: accuracy and macro F1.
+
+Recipe keys: ``data.text_column``, ``data.text_pair_column``, ``data.label_column``, ``data.labels``,
+``data.max_length``; the model is pretrained (``model.name_or_path``). The loss is normalised by examples.
+"""
 
 from __future__ import annotations
 
 from typing import Dict, List
 
+import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
+from datasets.fingerprint import Hasher
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from framework.config import ModelConfig
+from framework import data
 from framework.errors import UserError
+from framework.tasks import Task
+
+LABELS = "labels"  # the column transformers models read the targets from
 
 
-def load(cfg: ModelConfig, label_names: List[str]):
-    label2id = {name: i for i, name in enumerate(label_names)}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.name_or_path,
-            num_labels=len(label_names),
-            id2label=dict(enumerate(label_names)),
-            label2id=label2id,
-            # Set now rather than by the first forward: a config changed after the first step would make
-            # torch.compile recompile the model.
-            problem_type="single_label_classification",
-            # A checkpoint fine-tuned on other labels gets a fresh head of the right size.
-            ignore_mismatched_sizes=True,
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {str(e).splitlines()[0]}") from None
-    return model, tokenizer
+class TextClassification(Task):
+    name = "text_classification"
+    pipeline = "text-classification"
+    metric = "accuracy"
+
+    def check(self, cfg) -> List[str]:
+        problems = []
+        if not cfg.model.name_or_path:
+            problems.append("model.name_or_path is required: text_classification fine-tunes a pretrained model")
+        if cfg.model.config is not None:
+            problems.append("model.config: text_classification fine-tunes a pretrained model; use model.name_or_path")
+        if cfg.data.packing:
+            problems.append("data.packing: only language models pack documents; remove it for text_classification")
+        if cfg.data.labels is not None and len(set(cfg.data.labels)) < 2:
+            problems.append(f"data.labels: {cfg.data.labels} must name at least two distinct labels")
+        return problems
+
+    def metric_names(self):
+        return ("loss", "accuracy", "f1")
+
+    def columns(self, cfg) -> Dict[str, str]:
+        d = cfg.data
+        wanted = {"data.text_column": d.text_column, "data.label_column": d.label_column}
+        if d.text_pair_column:
+            wanted["data.text_pair_column"] = d.text_pair_column
+        return wanted
+
+    def keep_row(self, cfg):
+        """Rows with a label (one of ``data.labels`` when set) and non-empty texts."""
+        d = cfg.data
+        texts = [c for c in (d.text_column, d.text_pair_column) if c]
+        keep = set(d.labels) if d.labels else None
+
+        def usable(row: Dict) -> bool:
+            if row[d.label_column] is None or any(row[c] is None or not str(row[c]).strip() for c in texts):
+                return False
+            return keep is None or str(row[d.label_column]) in keep
+        return usable
+
+    def load(self, cfg, train: datasets.Dataset, evaluation: datasets.Dataset):
+        label_names = _label_names(train, evaluation, cfg.data)
+        name = cfg.model.name_or_path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or name)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name,
+                num_labels=len(label_names),
+                id2label=dict(enumerate(label_names)),
+                label2id={label: i for i, label in enumerate(label_names)},
+                # Set now rather than by the first forward: a config changed after the first step would make
+                # torch.compile recompile the model.
+                problem_type="single_label_classification",
+                # A checkpoint fine-tuned on other labels gets a fresh head of the right size.
+                ignore_mismatched_sizes=True,
+            )
+        except (OSError, ValueError) as e:
+            raise UserError(f"model.name_or_path: cannot load '{name}' for text_classification: "
+                            f"{str(e).splitlines()[0]}") from None
+        data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
+        return model, tokenizer
+
+    def prepare(self, ds: datasets.Dataset, tokenizer, model, cfg) -> datasets.Dataset:
+        """Label ids, then tokens with truncation and no padding (the collator pads)."""
+        d = cfg.data
+        to_id = model.config.label2id
+        columns = [d.text_column] + ([d.text_pair_column] if d.text_pair_column else [])
+
+        def encode(batch):
+            features = tokenizer(*[[str(t) for t in batch[c]] for c in columns], truncation=True,
+                                 max_length=d.max_length)
+            features[LABELS] = [to_id[str(v)] for v in batch[d.label_column]]
+            return features
+
+        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), d.max_length, columns,
+                                   d.label_column, sorted(to_id.items())))
+        return ds.map(encode, batched=True, remove_columns=ds.column_names, new_fingerprint=fingerprint,
+                      desc="Tokenizing")
+
+    def collator(self, tokenizer, cfg, buckets, rows=None):
+        return data.collator(tokenizer, buckets, rows)
+
+    def targets(self, batch: Dict[str, torch.Tensor]) -> int:
+        return batch[LABELS].shape[0]
+
+    def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(**{k: v for k, v in batch.items() if k != LABELS}).logits
+        return F.cross_entropy(logits.float(), batch[LABELS], reduction="sum")
+
+    def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        logits = model(**{k: v for k, v in batch.items() if k != LABELS}).logits.float()
+        labels = batch[LABELS]
+        return {
+            "predictions": logits.argmax(dim=-1),
+            "labels": labels,
+            "loss": F.cross_entropy(logits, labels, reduction="none"),
+        }
+
+    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+        preds, labels = gathered["predictions"], gathered["labels"]
+        classes = np.union1d(preds, labels)
+        f1s = []
+        for c in classes:
+            tp = np.sum((preds == c) & (labels == c))
+            fp = np.sum((preds == c) & (labels != c))
+            fn = np.sum((preds != c) & (labels == c))
+            f1s.append(2 * tp / (2 * tp + fp + fn))
+        return {
+            "loss": float(np.mean(gathered["loss"], dtype=np.float64)),
+            "accuracy": float(np.mean(preds == labels)),
+            "f1": float(np.mean(f1s)),
+            "examples": int(len(labels)),
+        }
 
 
-def train_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
+def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, d) -> List[str]:
+    """Label id -> name: ``data.labels`` in its order, else the sorted values (integers: 0..max)."""
+    if d.labels:
+        return list(d.labels)
+    values = set(train.unique(d.label_column))
+    if len(values) < 2:
+        raise UserError(f"data.label_column '{d.label_column}' has a single class {values} in the training data; "
+                        "classification needs at least two")
+    unseen = set(evaluation.unique(d.label_column)) - values
+    if unseen:
+        raise UserError(f"the eval data has labels {sorted(map(str, unseen))} that the training data lacks")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise UserError(f"data.label_column '{d.label_column}': integer labels must be >= 0, found {min(values)}")
+        return [str(i) for i in range(max(values) + 1)]
+    return sorted(str(v) for v in values)
 
 
-def eval_outputs(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    logits = model(**batch).logits.float()
-    labels = batch["labels"]
-    return {
-        "predictions": logits.argmax(dim=-1),
-        "labels": labels,
-        "loss": F.cross_entropy(logits, labels, reduction="none"),
-    }
-
-
-def metrics(gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
-    preds, labels = gathered["predictions"], gathered["labels"]
-    classes = np.union1d(preds, labels)
-    f1s = []
-    for c in classes:
-        tp = np.sum((preds == c) & (labels == c))
-        fp = np.sum((preds == c) & (labels != c))
-        fn = np.sum((preds != c) & (labels == c))
-        f1s.append(2 * tp / (2 * tp + fp + fn))
-    return {
-        "loss": float(np.mean(gathered["loss"], dtype=np.float64)),
-        "accuracy": float(np.mean(preds == labels)),
-        "f1": float(np.mean(f1s)),
-        "examples": int(len(labels)),
-    }
+TASK = TextClassification()

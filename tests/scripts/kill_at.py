@@ -16,9 +16,9 @@ add = train.LossWindow.add
 seen = 0
 
 
-def add_then_maybe_die(self, loss, batch):
+def add_then_maybe_die(self, *args):
     global seen
-    add(self, loss, batch)
+    add(self, *args)
     seen += 1
     if seen == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)

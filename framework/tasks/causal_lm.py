@@ -1,0 +1,228 @@
+"""Causal language modelling (next-token prediction): fine-tune a pretrained model or train one from scratch.
+
+Recipe keys: ``model.name_or_path`` (pretrained) or ``model.config`` + ``model.tokenizer`` (from scratch);
+``data.text_column`` (``.txt`` files: ``data.sample_by``), ``data.packing``, ``data.block_size``,
+``eval.prompt``, ``eval.max_new_tokens``.
+
+Packing (the default) concatenates documents, an EOS after each, into blocks of ``block_size`` tokens: one
+shape, no padding. A document cut at a block's end continues in the next block as a new segment. Inside a
+block every token attends only to earlier tokens of its own segment (a block-diagonal causal mask built on
+the device from ``position_ids``, which restart at 0 at each segment), and the first token of a segment is
+not a target: the packed loss and logits equal those of each segment computed alone. transformers does
+not isolate documents from packed ``position_ids`` alone under sdpa or eager attention, so the mask is
+explicit (4D).
+
+The loss is a sum over target tokens; the loop divides it by the target tokens of the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from datasets.fingerprint import Hasher
+from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithPadding
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+from framework import data
+from framework.errors import UserError
+from framework.tasks.language import IGNORE, LanguageModel
+
+DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
+
+
+class CausalLM(LanguageModel):
+    name = "causal_lm"
+    pipeline = "text-generation"
+    architectures = "gpt2, llama, ..."
+
+    def load(self, cfg, train, evaluation):
+        m = cfg.model
+        if m.config is None:  # the model's kind first: the most basic mistake
+            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+        tokenizer, key = self.tokenizer(cfg)
+        if packing(cfg) and tokenizer.eos_token_id is None:
+            raise UserError(f"{key}: the tokenizer has no EOS token, which packing puts between documents; use a "
+                            "tokenizer with one, or data.packing=false")
+        if tokenizer.pad_token is None:  # padding (unpacked rows, generation) reuses EOS; padding is never a target
+            tokenizer.pad_token = tokenizer.eos_token
+        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)
+        return model, tokenizer
+
+    def _from_config(self, cfg, tokenizer):
+        """A new model from ``model.config``, its vocabulary and special tokens the tokenizer's by default (the
+        architecture's own defaults, GPT-2's 50256, would point outside another tokenizer's vocabulary)."""
+        config = self.new_config(cfg, {
+            "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id})
+        _check_kind(config, f"model.config: model_type '{config.model_type}'")
+        if config.vocab_size < len(tokenizer):
+            raise UserError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                            f"{len(tokenizer)} tokens; remove it (it defaults to the tokenizer's) or raise it")
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
+
+    def sequence_length(self, cfg, model) -> int:
+        if cfg.data.block_size:
+            return cfg.data.block_size
+        positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_BLOCK
+        return min(positions, DEFAULT_BLOCK)
+
+    def prepare(self, ds: datasets.Dataset, tokenizer, model, cfg) -> datasets.Dataset:
+        """Tokens with EOS after each document; then blocks (packing) or truncated rows."""
+        column, length, packed = cfg.data.text_column, self.sequence_length(cfg, model), packing(cfg)
+        eos = tokenizer.eos_token_id
+
+        def tokenize(batch):
+            ids = tokenizer([str(t) for t in batch[column]], add_special_tokens=False, verbose=False)["input_ids"]
+            ids = [doc + [eos] if eos is not None else doc for doc in ids]
+            if packed:
+                return pack(ids, length)
+            ids = [doc[:length] for doc in ids]
+            return {"input_ids": ids, "attention_mask": [[1] * len(doc) for doc in ids]}
+
+        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), column, length, packed))
+        ds = ds.map(tokenize, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                    new_fingerprint=fingerprint, desc="Packing" if packed else "Tokenizing")
+        if len(ds) == 0:
+            raise UserError(f"data.block_size={length}: the training or eval documents hold fewer tokens than one "
+                            "block; lower data.block_size (or add data)")
+        return ds
+
+    def collator(self, tokenizer, cfg, buckets, rows=None):
+        if packing(cfg):
+            return PackedCollator(rows)
+        return PaddedCollator(tokenizer, buckets, rows)
+
+    def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != IGNORE).sum()
+
+    def forward(self, model, batch):
+        return _logits_and_targets(model, batch)
+
+    def sample(self, model, tokenizer, cfg, eval_ds) -> Optional[Dict[str, str]]:
+        """A short greedy generation from ``eval.prompt`` (default: the first 8 tokens of the first eval row)."""
+        prompt = cfg.eval.prompt
+        if prompt is None:
+            prompt = tokenizer.decode(eval_ds[0]["input_ids"][:8])
+        device = next(model.parameters()).device
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+        if inputs["input_ids"].shape[1] == 0:
+            return None
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=cfg.eval.max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        model.train(was_training)
+        return {"prompt": prompt, "generated": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])}
+
+
+def packing(cfg) -> bool:
+    return cfg.data.packing is not False
+
+
+def pack(docs: List[List[int]], length: int) -> Dict[str, list]:
+    """Concatenated documents cut into blocks of ``length`` (the remainder dropped), with ``position_ids``
+    restarting at 0 at each document and at each block's start (a document cut there is a new segment)."""
+    sizes = [len(doc) for doc in docs]
+    n = sum(sizes) // length * length
+    if n == 0:
+        return {"input_ids": [], "position_ids": [], "attention_mask": []}
+    ids = np.fromiter((t for doc in docs for t in doc), dtype=np.int64, count=sum(sizes))
+    starts = np.zeros(len(ids), dtype=bool)
+    starts[np.cumsum([0] + sizes[:-1])] = True
+    ids, starts = ids[:n].reshape(-1, length), starts[:n].reshape(-1, length)
+    starts[:, 0] = True
+    index = np.arange(length)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {"input_ids": ids.tolist(), "position_ids": positions.tolist(), "attention_mask": np.ones_like(ids).tolist()}
+
+
+class PackedCollator:
+    """Blocks -> tensors; labels are the inputs, except each segment's first token (no target within it)."""
+
+    def __init__(self, rows: Optional[int] = None):
+        self.rows = rows
+
+    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
+        real = len(features)
+        if self.rows is not None:
+            features = features + [features[0]] * (self.rows - real)
+        batch = {key: torch.tensor([f[key] for f in features]) for key in ("input_ids", "position_ids", "attention_mask")}
+        batch["labels"] = batch["input_ids"].masked_fill(batch["position_ids"] == 0, IGNORE)
+        if self.rows is not None:
+            batch["valid"] = torch.arange(self.rows) < real
+        return batch
+
+
+class PaddedCollator:
+    """One document per row, padded (dynamically or to a bucket); padding is never a target."""
+
+    def __init__(self, tokenizer, buckets: Optional[List[int]], rows: Optional[int] = None):
+        self.pad = data.collator(tokenizer, buckets, rows) if buckets else DataCollatorWithPadding(tokenizer)
+
+    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
+        batch = self.pad(features)
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+        return batch
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, length, length) bool, True where query i may attend key j: j <= i in the same segment.
+    Built on the device from the positions (a segment starts where they restart at 0): static shapes."""
+    segments = torch.cumsum((position_ids == 0).long(), dim=1)
+    same = segments[:, :, None] == segments[:, None, :]
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def _logits_and_targets(model, batch):
+    """Logits at every position and their targets, the next tokens (the last position has none). The targets
+    are shifted rather than the logits: slicing (batch x length x vocabulary) logits would copy them, and
+    their gradient, every step."""
+    inputs = {"input_ids": batch["input_ids"], "use_cache": False}
+    if "position_ids" in batch:
+        mask = document_mask(batch["position_ids"])
+        if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # eager adds the mask to the scores
+            dtype = next(model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        inputs.update(attention_mask=mask, position_ids=batch["position_ids"])
+    else:
+        inputs["attention_mask"] = batch["attention_mask"]
+    targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
+    return model(**inputs).logits, targets
+
+
+def _pretrained_config(name: str):
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.name_or_path: cannot load '{name}': {str(e).splitlines()[0]}") from None
+
+
+def _pretrained(name: str):
+    try:
+        return AutoModelForCausalLM.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.name_or_path: cannot load '{name}' as a causal language model: "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def _check_kind(config, what: str) -> None:
+    """Causal LMs only: encoders (BERT-like, which also have a decoder head in transformers) would attend to
+    future tokens unless configured as decoders."""
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+            config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)):
+        raise UserError(f"{what} is not a causal language model (an encoder or another kind); use task: causal_lm "
+                        "with a decoder (gpt2, llama, ...), or task: masked_lm for an encoder")
+
+
+TASK = CausalLM()

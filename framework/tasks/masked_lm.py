@@ -1,0 +1,126 @@
+"""Masked language modelling (BERT-style): fine-tune a pretrained encoder or train one from scratch.
+
+Recipe keys: ``model.name_or_path`` (pretrained) or ``model.config`` + ``model.tokenizer``; ``data.text_column``,
+``data.block_size`` (rows are truncated to it and padded), ``data.mlm_probability``.
+
+Of each row's real tokens (not special, not padding), ``data.mlm_probability`` are predicted: 80% of them are
+replaced by the mask token, 10% by a random token, 10% left as they are. The draw for an example comes from
+its own generator, seeded by (seed, epoch, example index): no global RNG, no state to checkpoint, the same
+masks on any process count, worker count or resume. Evaluation masks stay the same at every evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import datasets
+import numpy as np
+import torch
+from datasets.fingerprint import Hasher
+from transformers import AutoConfig, AutoModelForMaskedLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+from framework import data
+from framework.errors import UserError
+from framework.tasks.language import IGNORE, LanguageModel
+
+INDEX = "index"  # the example's row number, which seeds its masks
+
+
+class MaskedLM(LanguageModel):
+    name = "masked_lm"
+    pipeline = "fill-mask"
+    architectures = "bert, roberta, ..."
+
+    def check(self, cfg) -> List[str]:
+        problems = super().check(cfg)
+        if cfg.data.packing:
+            problems.append("data.packing: masked_lm trains one text per row (truncated to data.block_size); "
+                            "remove data.packing")
+        return problems
+
+    def load(self, cfg, train, evaluation):
+        m = cfg.model
+        tokenizer, key = self.tokenizer(cfg)
+        if tokenizer.mask_token_id is None or tokenizer.pad_token_id is None:
+            raise UserError(f"{key}: the tokenizer has no mask or pad token; masked_lm needs both")
+        if m.config is not None:
+            config = self.new_config(cfg, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id})
+            _check_kind(config.model_type, f"model.config: model_type '{config.model_type}'")
+            model = AutoModelForMaskedLM.from_config(config)
+        else:
+            try:
+                _check_kind(AutoConfig.from_pretrained(m.name_or_path).model_type, f"model.name_or_path: '{m.name_or_path}'")
+                model = AutoModelForMaskedLM.from_pretrained(m.name_or_path)
+            except (OSError, ValueError) as e:
+                raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a masked language model: "
+                                f"{str(e).splitlines()[0]}") from None
+        data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)
+        return model, tokenizer
+
+    def sequence_length(self, cfg, model) -> int:
+        return cfg.data.block_size or min(getattr(model.config, "max_position_embeddings", None) or 512, 512)
+
+    def prepare(self, ds: datasets.Dataset, tokenizer, model, cfg) -> datasets.Dataset:
+        column, length = cfg.data.text_column, self.sequence_length(cfg, model)
+
+        def encode(batch, indices):
+            features = tokenizer([str(t) for t in batch[column]], truncation=True, max_length=length,
+                                 return_special_tokens_mask=True)
+            features[INDEX] = indices
+            return features
+
+        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), column, length))
+        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
+                      new_fingerprint=fingerprint, desc="Tokenizing")
+
+    def collator(self, tokenizer, cfg, buckets, rows=None):
+        return MaskingCollator(tokenizer, buckets, rows, cfg.data.mlm_probability, cfg.seed)
+
+    def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"] != IGNORE).sum()
+
+    def forward(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits, batch["labels"]
+
+
+class MaskingCollator:
+    """Pads a batch, then masks each example from its own (seed, epoch, index) generator. ``set_epoch`` is
+    called by the loop at each epoch, as for the sampler."""
+
+    def __init__(self, tokenizer, buckets, rows, probability: float, seed: int):
+        self.pad = data.collator(tokenizer, buckets, rows)
+        self.probability, self.seed, self.epoch = probability, seed, 0
+        self.mask_id, self.vocab = tokenizer.mask_token_id, len(tokenizer)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
+        batch = self.pad(features)
+        indices = batch.pop(INDEX).tolist()
+        special = batch.pop("special_tokens_mask").bool() | (batch["attention_mask"] == 0)
+        inputs, labels = batch["input_ids"].clone(), torch.full_like(batch["input_ids"], IGNORE)
+        for row, index in enumerate(indices):
+            state = np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0]
+            g = torch.Generator().manual_seed(int(state))
+            draw = torch.rand(inputs.shape[1], generator=g)
+            chosen = (draw < self.probability) & ~special[row]
+            labels[row, chosen] = inputs[row, chosen]
+            # Of the chosen: 80% the mask token, 10% a random token, 10% unchanged (one more uniform draw).
+            how = torch.rand(inputs.shape[1], generator=g)
+            random_tokens = torch.randint(self.vocab, (inputs.shape[1],), generator=g)
+            inputs[row] = torch.where(chosen & (how < 0.8), self.mask_id, inputs[row])
+            inputs[row] = torch.where(chosen & (how >= 0.8) & (how < 0.9), random_tokens, inputs[row])
+        batch["input_ids"], batch["labels"] = inputs, labels
+        return batch
+
+
+def _check_kind(model_type: str, what: str) -> None:
+    if model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise UserError(f"{what} is not a masked language model; use task: masked_lm with an encoder "
+                        "(bert, roberta, ...), or task: causal_lm for a decoder")
+
+
+TASK = MaskedLM()

@@ -1,0 +1,359 @@
+"""Language models: packed documents never see each other (logits and loss equal per-document ones, GPT-2 and
+Llama), the loss is exact per target token across accumulation and processes, causal and masked LMs train
+through the real CLI, resume bitwise after a kill, export to a pipeline, and bad input is refused by key."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_metrics
+from in_process import run_main
+from test_checkpoint import crash_then_resume, losses_by_step
+
+SUBJECTS = ["the cat", "a dog", "the king", "my friend", "the ghost", "a sailor"]
+VERBS = ["sees", "likes", "follows", "finds", "calls", "leaves"]
+OBJECTS = ["the castle", "a ship", "the queen", "the sea", "a letter", "the garden"]
+WORDS = " ".join(SUBJECTS + VERBS + OBJECTS).split() + [".", "and", "then"]
+
+
+def documents(n: int, seed: int):
+    """Documents of 1 to 12 short sentences: very uneven lengths, and structure a tiny model can learn."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} ."
+                     for _ in range(rng.choice([1, 1, 2, 3, 12]))]
+        docs.append({"text": " and then ".join(sentences)})
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory) -> Path:
+    from framework.testing import save_word_tokenizer
+
+    return save_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), WORDS)
+
+
+TINY_LM = Path(__file__).resolve().parent / "tiny_lm.yaml"
+
+
+def lm_args(tokenizer: Path, data: Path, out: Path, *extra: str):
+    return ["--config", str(TINY_LM), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
+            *extra]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def assert_close_weights(a: Path, b: Path, **tolerance) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+# ---------------------------------------------------------------- packing
+
+
+def tiny_model(kind: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {"gpt2": dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0),
+             "llama": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                           intermediate_size=64, max_position_embeddings=64)}[kind]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=50, bos_token_id=0, eos_token_id=0, **sizes)).eval()
+
+
+def packed_batch(block: int = 32):
+    from framework.tasks.causal_lm import PackedCollator, pack
+
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (5, 17, 3, 30, 9, 12, 21, 2)]
+    blocks = pack(docs, block)
+    rows = [dict(zip(blocks, values)) for values in zip(*blocks.values())]
+    return PackedCollator()(rows)
+
+
+def segments(batch):
+    """(row, start, end) of every segment: where the positions restart at 0."""
+    for row, positions in enumerate(batch["position_ids"]):
+        starts = [i for i, p in enumerate(positions.tolist()) if p == 0] + [len(positions)]
+        yield from ((row, a, b) for a, b in zip(starts, starts[1:]))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_packed_logits_and_loss_equal_each_document_alone(kind):
+    from framework.tasks import language
+    from framework.tasks.causal_lm import _logits_and_targets
+
+    model, batch = tiny_model(kind), packed_batch()
+    assert batch["position_ids"].shape == (3, 32)  # 99 tokens with EOS-less docs: 3 blocks, 3 tokens dropped
+    with torch.no_grad():
+        logits, targets = _logits_and_targets(model, batch)
+        naive = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[:, :-1]
+        worst, naive_worst, per_segment_loss = 0.0, 0.0, torch.tensor(0.0)
+        for row, a, b in segments(batch):
+            alone = model(input_ids=batch["input_ids"][row:row + 1, a:b]).logits[0]
+            span = slice(a, b - 1)  # the packed logits of this segment (the last position predicts nothing)
+            worst = max(worst, (logits[row, span] - alone[:-1]).abs().max().item())
+            naive_worst = max(naive_worst, (naive[row, span] - alone[:-1]).abs().max().item())
+            per_segment_loss += language.loss_sum(alone[None, :-1], batch["input_ids"][row:row + 1, a + 1:b])
+        packed_loss = language.loss_sum(logits, targets)
+    print(f"{kind}: packed vs alone max |diff| {worst:.2e}; position_ids alone {naive_worst:.2e}")
+    assert worst < 1e-5
+    assert naive_worst > 1e-3  # without the explicit mask, tokens do attend across documents
+    torch.testing.assert_close(packed_loss, per_segment_loss, rtol=1e-5, atol=1e-5)
+    # Each segment's first token is never a target; every other token is.
+    assert int((targets != -100).sum()) == sum(b - a - 1 for _, a, b in segments(batch))
+
+
+def test_pack_restarts_positions_at_each_document_and_block():
+    from framework.tasks.causal_lm import pack
+
+    blocks = pack([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], 4)
+    assert blocks["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # 10 tokens: 2 blocks of 4, the rest dropped
+    assert blocks["position_ids"] == [[0, 1, 2, 0], [0, 1, 2, 3]]  # the cut document restarts in its new block
+
+
+# ---------------------------------------------------------------- token-exact loss
+
+
+def test_accumulation_over_uneven_token_counts_equals_one_batch(hf_home, word_tokenizer, corpus, tmp_path, capsys):
+    """One document per row (packing off): micro-batches hold very different token counts. Weighting every
+    target token alike, 2 x 4 rows accumulated equal 8 rows at once; a mean of the two micro-batch means
+    would not."""
+    # SGD: Adam's update divides by the gradient's own size, which turns rounding-level differences of
+    # near-zero gradients into visible ones.
+    common = ["data.packing=false", "train.max_steps=6", "train.max_grad_norm=null", "data.eval_fraction=0.2",
+              "optim.name=sgd", "optim.lr=0.5"]
+    one, accum = tmp_path / "batch8", tmp_path / "accum2"
+    assert run_main(lm_args(word_tokenizer, corpus, one, *common, "train.batch_size=8"), hf_home) == 0
+    assert run_main(lm_args(word_tokenizer, corpus, accum, *common, "train.gradient_accumulation_steps=2"), hf_home) == 0
+    capsys.readouterr()
+    assert_close_weights(one, accum, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(one) if "loss" in r]),
+                               torch.tensor([r["loss"] for r in read_metrics(accum) if "loss" in r]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
+def test_two_processes_equal_one_with_double_batch(cli, word_tokenizer, corpus, tmp_path):
+    common = ["data.packing=false", "train.max_steps=5", "train.max_grad_norm=null", "backend=auto", "optim.name=sgd",
+              "optim.lr=0.5"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = cli(lm_args(word_tokenizer, corpus, two, *common), launch="cpu_ddp.yaml")
+    assert "num_processes: 2" in proc.stdout
+    cli(lm_args(word_tokenizer, corpus, one, *common, "train.batch_size=8"))
+    assert_close_weights(two, one, rtol=1e-5, atol=1e-6)
+    assert summary(two)["eval"]["tokens"] == summary(one)["eval"]["tokens"]
+    assert summary(two)["eval"]["loss"] == pytest.approx(summary(one)["eval"]["loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------- training through the CLI
+
+
+def test_causal_lm_from_scratch_trains_exports_and_generates(hf_home, word_tokenizer, corpus, tmp_path, capsys):
+    out = tmp_path / "lm"
+    assert run_main(lm_args(word_tokenizer, corpus, out, "train.epochs=6", "eval.prompt=the cat"), hf_home) == 0
+    printed = capsys.readouterr().out
+    s = summary(out)
+    # The grammar leaves about 6 choices at most tokens: a model that learned it is far below the vocabulary.
+    assert s["eval"]["perplexity"] < 4.0, s["eval"]
+    assert s["eval"]["perplexity"] == pytest.approx(2.718281828 ** s["eval"]["loss"], rel=1e-9)
+    assert 0 < s["eval"]["accuracy"] <= 1 and s["eval"]["tokens"] > 0
+    assert s["sample"]["prompt"] == "the cat" and s["sample"]["generated"].split()
+    assert "sample: 'the cat' ->" in printed and "done: eval perplexity" in printed
+    # Packed: every token is real, so tokens/s is samples x block / s exactly.
+    assert s["train"]["tokens_per_second"] == pytest.approx(s["train"]["samples_per_second"] * 32, rel=1e-6)
+    assert "logits:" in printed  # the memory plan counts them
+
+    from transformers import pipeline
+
+    generate = pipeline("text-generation", model=str(out / "model"))
+    text = generate("the king", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the king") and len(text.split()) > 3
+
+
+def test_packed_run_resumes_bitwise_after_a_kill(hf_home, word_tokenizer, corpus, tmp_path):
+    common = ["train.max_steps=16", "checkpoint.every_steps=5", "train.log_every=2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main(lm_args(word_tokenizer, corpus, whole, *common), hf_home) == 0
+    proc = crash_then_resume(hf_home, lm_args(word_tokenizer, corpus, resumed, *common), kill_at_micro=12)
+    assert "resuming from" in proc.stdout and "step_10" in proc.stdout
+    assert_close_weights(whole, resumed, rtol=0, atol=0)
+    assert losses_by_step(whole) == losses_by_step(resumed)  # to the last bit, before and after the resume point
+
+
+@pytest.mark.parametrize("extra", [["precision=bf16"], ["train.gradient_checkpointing=true"]], ids=["bf16", "checkpointing"])
+def test_causal_lm_with_bf16_or_gradient_checkpointing(hf_home, word_tokenizer, corpus, tmp_path, capsys, extra):
+    out = tmp_path / "lm"
+    assert run_main(lm_args(word_tokenizer, corpus, out, "train.epochs=3", *extra), hf_home) == 0
+    capsys.readouterr()
+    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_early_stopping_on_perplexity_keeps_the_best_model(hf_home, word_tokenizer, corpus, tmp_path, capsys):
+    out = tmp_path / "lm"
+    args = lm_args(word_tokenizer, corpus, out, "train.epochs=20", "eval.every_steps=4", "eval.metric=perplexity",
+                   "train.early_stopping_patience=2", "optim.lr=3e-2")
+    assert run_main(args, hf_home) == 0
+    printed = capsys.readouterr().out
+    evals = [r for r in read_metrics(out) if "eval_perplexity" in r]
+    best = min(evals, key=lambda r: r["eval_perplexity"])
+    s = summary(out)
+    assert s["best"]["metric"] == "perplexity" and s["best"]["step"] == best["step"]
+    if s["train"]["stopped_early"]:
+        assert "early stopping" in printed
+
+
+# ---------------------------------------------------------------- masked LM
+
+
+MLM = ["--config", str(Path(__file__).resolve().parent / "tiny_mlm.yaml")]
+
+
+def test_masked_lm_trains_and_resumes_bitwise(hf_home, word_tokenizer, corpus, tmp_path, capsys):
+    common = [*MLM, f"model.tokenizer={word_tokenizer}", f"data.train_file={corpus}", "train.max_steps=16",
+              "checkpoint.every_steps=5"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main([*common, f"output_dir={whole}"], hf_home) == 0
+    capsys.readouterr()
+    s = summary(whole)
+    assert set(s["eval"]) >= {"loss", "perplexity", "accuracy", "tokens"}
+    # About 15% of the eval tokens are targets (special tokens and padding never).
+    eval_tokens = s["eval"]["tokens"]
+    assert eval_tokens > 0
+    losses = [r["loss"] for r in read_metrics(whole) if "loss" in r]
+    assert losses[-1] < losses[0]
+    proc = crash_then_resume(hf_home, [*common, f"output_dir={resumed}"], kill_at_micro=13)
+    assert "resuming from" in proc.stdout and "step_10" in proc.stdout
+    assert_close_weights(whole, resumed, rtol=0, atol=0)
+
+    from transformers import pipeline
+
+    fill = pipeline("fill-mask", model=str(whole / "model"))
+    assert len(fill("the cat <mask> the castle .")) > 0
+
+
+def test_masking_is_seeded_per_example_and_epoch(word_tokenizer):
+    from transformers import AutoTokenizer
+
+    from framework.tasks.masked_lm import MaskingCollator
+
+    tokenizer = AutoTokenizer.from_pretrained(word_tokenizer)
+    texts = [d["text"] for d in documents(64, seed=5)]
+    features = [{**tokenizer(t, truncation=True, max_length=64, return_special_tokens_mask=True), "index": i}
+                for i, t in enumerate(texts)]
+    collate = MaskingCollator(tokenizer, None, None, 0.15, seed=42)
+    first = collate(features)
+    again = collate(list(reversed(features)))  # another batch order: each example keeps its own masks
+    assert torch.equal(first["labels"], collate(features)["labels"])
+    assert torch.equal(first["labels"][0], again["labels"][-1][: first["labels"].shape[1]])
+    collate.set_epoch(1)
+    assert not torch.equal(first["labels"], collate(features)["labels"])
+    chosen = first["labels"] != -100
+    real = first["attention_mask"].bool()
+    share = chosen.sum() / real.sum()
+    assert 0.10 < share < 0.20, share  # 15% of the real tokens
+    masked = (first["input_ids"] == tokenizer.mask_token_id) & chosen
+    assert 0.7 < masked.sum() / chosen.sum() < 0.9  # about 80% of them replaced by the mask token
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("override,message", [
+    (["data.text_column=body"], "data.text_column: column 'body' is not in"),
+    (["data.block_size=128"], "data.block_size=128 is longer than the model takes (max_position_embeddings 64)"),
+    (["model.config.model_type=nonsense"], "model.config: cannot build a model config"),
+    (["model.config.model_type=bert"], "model.config: model_type 'bert' is not a causal language model"),
+    (["model.config.n_head=3"], "model.config: cannot build the model"),
+], ids=["missing column", "block too long", "config does not parse", "encoder config", "bad sizes"])
+def test_bad_language_model_input_names_the_key(hf_home, word_tokenizer, corpus, tmp_path, capsys, override, message):
+    status = run_main(lm_args(word_tokenizer, corpus, tmp_path / "out", *override), hf_home)
+    out, err = capsys.readouterr()
+    assert status == 2 and "Traceback" not in err
+    assert message in err and err.count("error:") == 1, err
+
+
+def test_empty_corpus_and_wrong_model_kind_are_refused(hf_home, word_tokenizer, tiny_model, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": "  "}) + "\n" + json.dumps({"text": ""}) + "\n")
+    assert run_main(lm_args(word_tokenizer, empty, tmp_path / "a"), hf_home) == 2
+    assert "has no usable rows" in capsys.readouterr().err
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in documents(40, seed=1)))
+    args = lm_args(word_tokenizer, data, tmp_path / "b", "model.config=null", "model.tokenizer=null",
+                   f"model.name_or_path={tiny_model}")
+    assert run_main(args, hf_home) == 2
+    assert "is not a causal language model" in capsys.readouterr().err
+
+
+def test_packing_needs_an_eos_token(hf_home, tiny_model, tmp_path, capsys):
+    """The tiny BERT's WordPiece tokenizer has no EOS token."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in documents(40, seed=1)))
+    args = lm_args(tiny_model, data, tmp_path / "o")
+    assert run_main(args, hf_home) == 2
+    err = capsys.readouterr().err
+    assert "model.tokenizer:" in err and "no EOS token" in err and "data.packing=false" in err
+
+
+# ---------------------------------------------------------------- the shipped recipe
+
+
+def unigram_perplexity(train_ids, eval_ids, vocab: int) -> float:
+    """The best unigram model fitted on the training tokens: add-k smoothing over the whole vocabulary, the
+    k of several (1 to 1e-4) that scores best on the eval targets, so the baseline is as strong as it gets."""
+    counts = torch.bincount(torch.tensor(train_ids), minlength=vocab).double()
+    targets = torch.tensor(eval_ids)
+    return min(float(torch.exp(-((counts + k) / (counts + k).sum()).log()[targets].mean()))
+               for k in (1.0, 0.3, 0.1, 0.03, 0.01, 1e-3, 1e-4))
+
+
+@pytest.mark.slow
+def test_the_causal_lm_recipe_beats_a_unigram_model_twice_over(cli, hf_home, tmp_path, monkeypatch):
+    if not (ROOT / "assets" / "gpt2-tokenizer").is_dir():
+        pytest.fail("assets/ is missing: run `make install` (make test does it)")
+    out = tmp_path / "hamlet"
+    proc = cli(["--config", str(ROOT / "recipes" / "causal_lm.yaml"), f"output_dir={out}"])
+    assert "sample: 'To be, or not to be' ->" in proc.stdout
+    s = summary(out)
+
+    # The unigram figure on the run's own tokens: the same split, blocks and targets.
+    from accelerate.utils import set_seed
+
+    from framework.config import load_config
+    from framework.tasks import get_task
+    from framework.train import load_model_and_data
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(out / "config.yaml", [])
+    set_seed(cfg.seed)
+    _, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
+    train_ids = [t for row in train_ds["input_ids"] for t in row]
+    eval_targets = [t for ids, pos in zip(eval_ds["input_ids"], eval_ds["position_ids"])
+                    for t, p in zip(ids[1:], pos[1:]) if p != 0]
+    unigram = unigram_perplexity(train_ids, eval_targets, len(tokenizer))
+    print(f"causal_lm recipe: eval perplexity {s['eval']['perplexity']:.1f}, unigram {unigram:.1f}")
+    assert s["eval"]["tokens"] == len(eval_targets)
+    assert s["eval"]["perplexity"] * 2 <= unigram, (s["eval"]["perplexity"], unigram)
