@@ -403,6 +403,13 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     return model.to(accelerator.device)
 
 
+def for_generation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model to generate a short sample with, once training is over. On XLA the model moves to the host
+    CPU: generating token by token makes a new shape, so a new compiled graph, per token (minutes even for a
+    tiny model). Call it last: on XLA the model is on the CPU afterwards."""
+    return model.to("cpu") if _on_xla(accelerator) else model
+
+
 def needs_static_shapes(accelerator: Accelerator) -> bool:
     """XLA compiles one graph per input shape: batches there must come in a few fixed shapes."""
     return _on_xla(accelerator)

@@ -468,9 +468,10 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if xla is not None:
         summary["xla"] = {**xla, "warning": run.compile_watch.warning,
                           "transfers_in_steps": run.compile_watch.transfers_in_steps}
-    # After the XLA figures: generating compiles graphs of its own. Every process generates (the same greedy
-    # tokens), so sharded models (FSDP, DeepSpeed) run their collectives together.
-    sample = run.task.sample(acc.unwrap_model(run.model), run.tokenizer, cfg, run.eval_dl.dataset)
+    # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
+    # collectives together; on XLA on the host CPU (device.for_generation), after the XLA figures.
+    sample = run.task.sample(device.for_generation(acc, acc.unwrap_model(run.model)), run.tokenizer, cfg,
+                             run.eval_dl.dataset)
     if sample is not None:
         summary["sample"] = sample
         if acc.is_main_process:
