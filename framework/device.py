@@ -400,7 +400,12 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     (and shard) the model themselves in prepare()."""
     if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
         return model
-    return model.to(accelerator.device)
+    model = model.to(accelerator.device)
+    # On XLA, moving a module makes new parameter objects, which unties shared weights (GPT-2's embedding and
+    # output layer trained as two matrices, measured); transformers models tie them again.
+    if _on_xla(accelerator) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
 
 
 def for_generation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
