@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
-from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithPadding
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from framework import data
@@ -166,7 +166,7 @@ class PaddedCollator:
     """One document per row, padded (dynamically or to a bucket); padding is never a target."""
 
     def __init__(self, tokenizer, buckets: Optional[List[int]], rows: Optional[int] = None):
-        self.pad = data.collator(tokenizer, buckets, rows) if buckets else DataCollatorWithPadding(tokenizer)
+        self.pad = data.collator(tokenizer, buckets, rows)
 
     def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
         batch = self.pad(features)
