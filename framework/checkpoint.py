@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from framework import device
+from framework import adapters, device
 from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
 from framework.report import write_text
@@ -270,8 +270,9 @@ class Preempted(Exception):
 # ---------------------------------------------------------------- model
 
 
-def save_model(accelerator: Accelerator, model, tokenizer, path: Path) -> None:
-    """``save_pretrained`` in safetensors with the tokenizer: loadable by ``transformers.pipeline``.
+def save_model(accelerator: Accelerator, model, tokenizer, path: Path, merge: bool = False) -> None:
+    """``save_pretrained`` in safetensors with the tokenizer: loadable by ``transformers.pipeline``. An adapted
+    model writes its adapter, and with ``merge`` the merged model too (``adapters.save``).
 
     Every process takes part in gathering the weights (sharded models gather collectively, XLA tensors
     come to the host); then only the main process touches the disk, writing into a temporary folder
@@ -282,8 +283,12 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path) -> None:
     if accelerator.is_main_process:
         tmp = path.with_name(f".tmp_{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
+        unwrapped = accelerator.unwrap_model(model)
+        if adapters.is_adapted(unwrapped):
+            adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()

@@ -240,6 +240,29 @@ class DistributedConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Adapters (LoRA, through the peft library): the pretrained weights stay frozen and only small low-rank
+    matrices (and ``modules_to_save``) train. A recipe turns them on by having a ``peft:`` section."""
+
+    r: int = _bounded(8, gt=0)
+    """LoRA rank: the inner size of each pair of low-rank matrices."""
+    alpha: float = _bounded(16.0, gt=0.0)
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = _bounded(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input."""
+    target_modules: Optional[Union[str, List[str]]] = None
+    """Module names (suffixes, or one regular expression) that get adapters, or ``all-linear``; default peft's
+    choice for the architecture (query/value projections for BERT, c_attn for GPT-2, q_proj/v_proj for Llama)."""
+    modules_to_save: List[str] = field(default_factory=list)
+    """Modules trained in full next to the adapters (e.g. an embedding). The classification head always is."""
+    merge: bool = False
+    """Also write the adapters merged into the base weights: ``model/`` then holds a plain model that
+    ``pipeline()`` loads without peft, and the adapter moves to ``model/adapter/``."""
+    quantize: Optional[Literal["4bit"]] = None
+    """QLoRA: keep the frozen base linear layers in 4-bit NF4 (bitsandbytes), the adapters in full precision."""
+
+
+@dataclass
 class RunConfig:
     task: str = "text_classification"
     """What is trained: text_classification, causal_lm or masked_lm (``framework/tasks/``, one module each)."""
@@ -264,6 +287,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    peft: Optional[PeftConfig] = None
+    """Adapters instead of full fine-tuning (see PeftConfig); null: every weight trains."""
     env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})
     """Not a recipe key: dotted key -> the recipe's own text (``${oc.env:...}``) for values that came from the
     environment, written out instead of the values."""
@@ -398,9 +423,9 @@ def _parse_overrides(overrides: List[str]) -> Any:
 def _all_keys(cls: type, prefix: str = "") -> List[str]:
     keys = []
     for f in _schema_fields(cls):
-        hints = typing.get_type_hints(cls)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
+        section = _section(typing.get_type_hints(cls)[f.name])
+        if section is not None:
+            keys += _all_keys(section, f"{prefix}{f.name}.")
         else:
             keys.append(f"{prefix}{f.name}")
     return keys
@@ -419,6 +444,15 @@ def _suggest(key: str, prefix: str, cls: type) -> str:
         full = same_name[0] if same_name else next(k for k in everywhere if k.endswith("." + close[0]) or k == close[0])
         return f"; did you mean '{full}'?"
     return f"; valid keys here: {', '.join(siblings)}"
+
+
+def _section(kind: Any) -> Optional[type]:
+    """The dataclass of a section key (``Section`` or ``Optional[Section]``), else None."""
+    if dataclasses.is_dataclass(kind):
+        return kind
+    inner = [a for a in typing.get_args(kind) if a is not type(None)]
+    optional = typing.get_origin(kind) is Union and len(inner) == 1 and dataclasses.is_dataclass(inner[0])
+    return inner[0] if optional else None
 
 
 def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
@@ -443,7 +477,11 @@ def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
             values[key] = [b[0] for b in built]
             problems += [p for b in built for p in b[1]]
             continue
-        if dataclasses.is_dataclass(kind):
+        if _section(kind) is not None and kind is not _section(kind) and value is None:
+            values[key] = None  # an optional section (peft), off
+            continue
+        if _section(kind) is not None:
+            kind = _section(kind)
             values[key], sub = _build(kind, value if value is not None else {}, f"{prefix}{key}.")
             problems += sub
             continue
@@ -506,6 +544,7 @@ def _check_bounds(value: Any, bounds: Any) -> str:
 
 def _cross_checks(cfg: RunConfig) -> List[str]:
     """Rules that involve more than one key; the task checks its own keys."""
+    from framework import adapters
     from framework.tasks import TASKS, get_task  # the tasks read this module's schema
 
     problems = []
@@ -528,6 +567,7 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
         if cfg.eval.metric is not None and cfg.eval.metric not in task.metric_names():
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
                             f"{', '.join(task.metric_names())}")
+    problems += adapters.check(cfg, cfg.distributed.strategy)
     if cfg.train.early_stopping_patience and cfg.eval.metric is None:
         problems.append("train.early_stopping_patience needs eval.metric (the metric that must keep improving)")
     o = cfg.optim

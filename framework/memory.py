@@ -33,6 +33,24 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _quant_state(p: torch.Tensor):
+    """bitsandbytes' 4-bit weights (QLoRA) pack two values per byte and keep their scales aside."""
+    return getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+
+
+def parameter_count(p: torch.Tensor) -> int:
+    return p.numel() * 2 if _quant_state(p) is not None else p.numel()
+
+
+def weight_bytes(p: torch.Tensor) -> int:
+    """The bytes a weight holds: its data, and for 4-bit weights their block scales too."""
+    state = _quant_state(p)
+    if state is None:
+        return _tensor_bytes(p)
+    scales = [state.absmax] + ([state.state2.absmax, state.offset] if state.nested else [])
+    return _tensor_bytes(p) + sum(_tensor_bytes(t) for t in scales)
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by the optimizer's own state tensors (moments, quantization scales, ...). A tensor shared by
     several parameters (bitsandbytes' quantization maps) counts once."""
@@ -44,9 +62,9 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_byte
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return {
-        "parameters": sum(p.numel() for p in params),
+        "parameters": sum(parameter_count(p) for p in params),
         "trainable_parameters": sum(p.numel() for p in trainable),
-        "weight_bytes": sum(_tensor_bytes(p) for p in params),
+        "weight_bytes": sum(weight_bytes(p) for p in params),
         "gradient_bytes": sum(_tensor_bytes(p) for p in trainable),
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "peak_bytes": peak_bytes,
@@ -156,7 +174,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
     trainable_count = sum(p.numel() for p in trainable)
     half_copies = distributed.strategy == "deepspeed" and cfg.precision in ("fp16", "bf16")
     full = {
-        "weights": sum(p.numel() * (2 if half_copies else p.element_size()) for p in params),
+        "weights": sum(p.numel() * 2 if half_copies else weight_bytes(p) for p in params),
         "gradients": sum(p.numel() * (2 if half_copies else p.element_size()) for p in trainable),
         "optimizer_state": optimizer_state_estimate(trainable, cfg.optim) + (4 * trainable_count if half_copies else 0),
     }
@@ -171,7 +189,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
     logits = logit_estimate(config, cfg.train.batch_size, seq_length) if token_logits else 0
     on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
     return {
-        "parameters": sum(p.numel() for p in params),
+        "parameters": sum(parameter_count(p) for p in params),
         "trainable_parameters": trainable_count,
         "optimizer": cfg.optim.name,
         "precision": cfg.precision,

@@ -17,7 +17,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import checkpoint, data, device, hub, memory
+from framework import adapters, checkpoint, data, device, hub, memory
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -81,6 +81,10 @@ def setup(cfg: RunConfig) -> Run:
         if getattr(cfg.model, key):
             hub.check_model_path(getattr(cfg.model, key), f"model.{key}")
     task = get_task(cfg.task)
+    # The recipe was checked with its own strategy; auto may have become FSDP or DeepSpeed from the launch config.
+    problems = adapters.check(cfg, device.resolved_distributed(cfg).strategy)
+    if problems:
+        raise UserError(problems[0])
 
     accelerator = device.build_accelerator(cfg)
     if start.resume_from is not None:
@@ -90,6 +94,7 @@ def setup(cfg: RunConfig) -> Run:
     with accelerator.main_process_first():
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task)
     eval_ds = data.longest_first(eval_ds)
+    model = adapters.apply(model, cfg, cfg.task, accelerator.device.type)
 
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
@@ -353,7 +358,7 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
         value = results[metric]
         if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
             state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
-            checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model")
+            _save_model(run)
             return
         state.evals_without_improvement += 1
         patience = run.cfg.train.early_stopping_patience
@@ -361,6 +366,11 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
             state.stopped_early = True
             reporter.print(f"early stopping at step {state.step}: eval {metric} has not improved for {patience} "
                            f"evaluations (best {state.best_value:.4g} at step {state.best_step})")
+
+
+def _save_model(run: Run) -> None:
+    merge = run.cfg.peft is not None and run.cfg.peft.merge
+    checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model", merge)
 
 
 def evaluate(run: Run) -> Dict[str, float]:
@@ -438,7 +448,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if not state.evals or state.evals[-1]["step"] != state.step:
         _log_eval(run, reporter, state)
     if cfg.eval.metric is None:  # otherwise model/ already holds the best model
-        checkpoint.save_model(acc, run.model, run.tokenizer, out / "model")
+        _save_model(run)
 
     samples = (state.step - first_step) * run.plan["effective_batch"]  # trained by this invocation
     summary = {

@@ -57,6 +57,39 @@ def easy_data(tmp_path_factory) -> Path:
     return write_csv(tmp_path_factory.mktemp("data") / "easy.csv", synthetic_rows(400, seed=1))
 
 
+SUBJECTS = ["the cat", "a dog", "the king", "my friend", "the ghost", "a sailor"]
+VERBS = ["sees", "likes", "follows", "finds", "calls", "leaves"]
+OBJECTS = ["the castle", "a ship", "the queen", "the sea", "a letter", "the garden"]
+WORDS = " ".join(SUBJECTS + VERBS + OBJECTS).split() + [".", "and", "then"]
+
+
+def documents(n: int, seed: int) -> List[dict]:
+    """Language models' data: documents of 1 to 12 short sentences: very uneven lengths, and structure a tiny model can learn."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} ."
+                     for _ in range(rng.choice([1, 1, 2, 3, 12]))]
+        docs.append({"text": " and then ".join(sentences)})
+    return docs
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """240 documents of very uneven lengths, as jsonl."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory) -> Path:
+    """A word-level tokenizer over the documents' words: a vocabulary of 34."""
+    from framework.testing import save_word_tokenizer
+
+    return save_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), WORDS)
+
+
 @pytest.fixture(scope="session")
 def hf_home(tmp_path_factory) -> Path:
     """One datasets/hub cache for the whole session, away from the user's own."""

@@ -3,47 +3,15 @@ Llama), the loss is exact per target token across accumulation and processes, ca
 through the real CLI, resume bitwise after a kill, export to a pipeline, and bad input is refused by key."""
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, read_metrics
+from conftest import ROOT, documents, read_metrics
 from in_process import run_main
 from test_checkpoint import crash_then_resume, losses_by_step
-
-SUBJECTS = ["the cat", "a dog", "the king", "my friend", "the ghost", "a sailor"]
-VERBS = ["sees", "likes", "follows", "finds", "calls", "leaves"]
-OBJECTS = ["the castle", "a ship", "the queen", "the sea", "a letter", "the garden"]
-WORDS = " ".join(SUBJECTS + VERBS + OBJECTS).split() + [".", "and", "then"]
-
-
-def documents(n: int, seed: int):
-    """Documents of 1 to 12 short sentences: very uneven lengths, and structure a tiny model can learn."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} ."
-                     for _ in range(rng.choice([1, 1, 2, 3, 12]))]
-        docs.append({"text": " and then ".join(sentences)})
-    return docs
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    path.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
-    return path
-
-
-@pytest.fixture(scope="module")
-def word_tokenizer(tmp_path_factory) -> Path:
-    from framework.testing import save_word_tokenizer
-
-    return save_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), WORDS)
-
 
 TINY_LM = Path(__file__).resolve().parent / "tiny_lm.yaml"
 

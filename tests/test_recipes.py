@@ -60,7 +60,21 @@ def refusal(capsys, monkeypatch, hf_home, tmp_path, recipe) -> str:
     return err
 
 
-ANYWHERE = [r for r in RECIPES if not needs(r) and processes(r) == 1]
+def earlier_run(recipe: Path):
+    """The shipped recipe whose run's model/ this recipe starts from (``model.name_or_path: runs/X/model``),
+    or None."""
+    try:
+        path = load_config(recipe, []).model.name_or_path or ""
+    except UserError:
+        return None
+    for other in RECIPES:
+        if other != recipe and path == f"{load_config(other, []).output_dir}/model":
+            return other
+    return None
+
+
+AFTER_A_RUN = [r for r in RECIPES if not needs(r) and earlier_run(r)]
+ANYWHERE = [r for r in RECIPES if not needs(r) and processes(r) == 1 and r not in AFTER_A_RUN]
 SEVERAL_PROCESSES = [r for r in RECIPES if not needs(r) and processes(r) > 1]
 ON_CUDA = [r for r in RECIPES if needs(r) == "cuda"]
 ON_XLA = [r for r in RECIPES if needs(r) == "xla"]
@@ -70,7 +84,8 @@ def test_recipes_exist_and_each_is_tested():
     assert any(p.name == "text_classification.yaml" for p in RECIPES)
     assert {"examples/fsdp.yaml", "examples/deepspeed.yaml"} <= {name(r) for r in ON_CUDA}
     assert "examples/tpu.yaml" in {name(r) for r in ON_XLA}
-    assert sorted(ANYWHERE + SEVERAL_PROCESSES + ON_CUDA + ON_XLA) == RECIPES
+    assert "examples/lora_causal_lm.yaml" in {name(r) for r in AFTER_A_RUN}
+    assert sorted(ANYWHERE + AFTER_A_RUN + SEVERAL_PROCESSES + ON_CUDA + ON_XLA) == RECIPES
 
 
 @pytest.mark.parametrize("recipe", ANYWHERE, ids=name)
@@ -79,6 +94,22 @@ def test_recipe_dry_run(capsys, monkeypatch, hf_home, tmp_path, recipe):
     assert run_main(dry_run(recipe, tmp_path), hf_home) == 0, capsys.readouterr().err[-3000:]
     dry_run_plan(capsys.readouterr().out)
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("recipe", AFTER_A_RUN, ids=name)
+def test_recipe_on_an_earlier_runs_model(capsys, monkeypatch, hf_home, tmp_path, recipe):
+    """Refused by key before the earlier recipe has run; dry-runs on the model that run saves (built here from
+    the earlier recipe, untrained)."""
+    from framework.tasks import get_task
+
+    path = load_config(recipe, []).model.name_or_path
+    assert f"model.name_or_path: folder {path} does not exist" in refusal(capsys, monkeypatch, hf_home, tmp_path, recipe)
+    first = load_config(earlier_run(recipe), [])
+    model, tokenizer = get_task(first.task).load(first, None, None)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert run_main([*dry_run(recipe, tmp_path), f"model.name_or_path={tmp_path / 'model'}"], hf_home) == 0
+    dry_run_plan(capsys.readouterr().out)
 
 
 @pytest.mark.multiprocess

@@ -145,7 +145,8 @@ def test_packed_logits_equal_each_document_alone_on_xla(kind):
 
 
 def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, tmp_path):
-    from test_language_models import documents, lm_args, WORDS
+    from conftest import WORDS, documents
+    from test_language_models import lm_args
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
@@ -165,7 +166,8 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
 
 
 def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monkeypatch):
-    from test_language_models import documents, lm_args, WORDS
+    from conftest import WORDS, documents
+    from test_language_models import lm_args
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
@@ -178,3 +180,22 @@ def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monke
     cli(lm_args(tokenizer, corpus, spmd, "backend=auto", *common, "train.batch_size=2", "distributed.strategy=xla_spmd"))
     torch.testing.assert_close(torch.tensor(train_losses(spmd)), torch.tensor(train_losses(single)), rtol=1e-5, atol=1e-6)
     assert summary(spmd)["eval"]["tokens"] == summary(single)["eval"]["tokens"]
+
+
+def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_data, tmp_path):
+    lora = ["train.max_steps=10", "peft.r=4", "peft.alpha=8", "peft.merge=true", "optim.lr=1e-2"]
+    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
+    cli(tiny_args(tiny_model, easy_data, xla, *lora))
+    cli(tiny_args(tiny_model, easy_data, cpu, *lora, "backend=cpu"))
+    assert summary(xla)["backend"] == "xla"
+    assert summary(xla)["memory"]["trainable_parameters"] == summary(cpu)["memory"]["trainable_parameters"]
+    torch.testing.assert_close(torch.tensor(train_losses(xla)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
+    # Saved from the XLA device: the adapter and the merged model, as on the CPU.
+    for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
+        a, b = load_file(xla / "model" / name), load_file(cpu / "model" / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-5)
+    proc = cli(tiny_args(tiny_model, easy_data, tmp_path / "qlora", *lora, "peft.quantize=4bit"), check=False)
+    assert proc.returncode == 2 and "peft.quantize: 4-bit weights need bitsandbytes kernels" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,144 @@
+"""Adapters through the peft library: LoRA on a frozen pretrained model, and QLoRA (the frozen base linear
+layers in 4-bit NF4 through bitsandbytes).
+
+``check`` reports the recipe problems; ``apply`` wraps the loaded model; ``save`` writes ``model/`` (the adapter
+in peft's format, and with ``peft.merge`` a plain merged model that ``pipeline()`` loads without peft).
+The loop sees an ordinary module whose only trainable parameters are the adapters (and ``modules_to_save``):
+the optimizer is built over trainable parameters only, so gradients and optimizer state exist for them alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from framework.errors import UserError
+
+# peft's task types, for the tasks it has one for: they decide what the wrapped model's forward accepts and,
+# for classification, keep the new head (``classifier`` or ``score``) trainable.
+TASK_TYPES = {"text_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}
+ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
+
+
+def check(cfg, strategy: str) -> List[str]:
+    """Problems of the ``peft`` section with the rest of the recipe; ``strategy``: the resolved one."""
+    p = cfg.peft
+    if p is None:
+        return []
+    problems = []
+    if cfg.model.config is not None:
+        problems.append("peft: adapters train on top of a pretrained model, but model.config builds a new one; set "
+                        "model.name_or_path (e.g. the model/ folder of an earlier run) or remove the peft section")
+    if strategy in ("fsdp", "deepspeed"):
+        problems.append(f"peft: adapters run with one process or DDP (and on XLA), not with distributed.strategy "
+                        f"{strategy}; use distributed.strategy=ddp, or remove the peft section")
+    if p.quantize and cfg.backend == "xla":
+        problems.append("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
+                        "quantize on XLA (peft.quantize=null)")
+    return problems
+
+
+def apply(model: torch.nn.Module, cfg, task_name: str, device_type: str) -> torch.nn.Module:
+    """The model with adapters (a ``PeftModel``); unchanged without a ``peft`` section."""
+    p = cfg.peft
+    if p is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    if p.quantize:
+        if device_type == "xla":
+            raise UserError("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA "
+                            "without quantize on XLA (peft.quantize=null)")
+        _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
+    try:
+        config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
+                            modules_to_save=list(p.modules_to_save) or None, task_type=TASK_TYPES.get(task_name))
+        model = get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Conv1D", "Linear4bit")})
+        raise UserError(f"peft.target_modules: {str(e).splitlines()[0]} (this model's linear layers: "
+                        f"{', '.join(names)})") from None
+    # Where the adapter's base comes from, so model/ loads from any working directory.
+    name = cfg.model.name_or_path
+    if os.path.isdir(name):
+        model.peft_config["default"].base_model_name_or_path = str(Path(name).resolve())
+    return model
+
+
+def _kept_in_full(model: torch.nn.Module, modules_to_save: List[str]) -> set:
+    """Linear layers QLoRA leaves unquantized: the output layer (logits, as transformers does), the heads a
+    task trains in full (classification), and ``modules_to_save``."""
+    keep = set(modules_to_save) | {"classifier", "score"}
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name for name, m in model.named_modules()
+            if m is out or name.rsplit(".", 1)[-1] in keep or any(name.startswith(k + ".") for k in keep)}
+
+
+def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
+    """Replace every ``nn.Linear`` (except ``keep``) by a bitsandbytes NF4 ``Linear4bit`` holding the same
+    weights quantized (what transformers' ``load_in_4bit`` does while loading); computation stays in the
+    weights' own precision."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise UserError("peft.quantize: 4-bit weights need bitsandbytes, which is not installed; "
+                        "`pip install bitsandbytes` or set peft.quantize=null") from None
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or name in keep:
+            continue
+        weight = module.weight
+        quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                      compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+        quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4").to(weight.device)
+        if module.bias is not None:
+            quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def save(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], tokenizer, path: Path, merge: bool) -> None:
+    """Write the adapter (peft's ``adapter_config.json`` + ``adapter_model.safetensors``) and the tokenizer
+    into ``path``; with ``merge``, ``path`` holds the merged model instead and the adapter goes to
+    ``path/adapter``. ``state_dict``: the full one on the host (from ``device.state_dict_for_save``)."""
+    adapter_path = path / ADAPTER_DIR if merge else path
+    model.save_pretrained(adapter_path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    if merge:
+        merged(model).save_pretrained(path)
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """A host copy of the adapted model with the adapters added into the base weights: the plain transformers
+    model, computing what the adapted one does. 4-bit base layers are dequantized (the weights the adapters
+    trained against), not requantized after the merge, which would round the adapters' update away."""
+    model = copy.deepcopy(model).to("cpu")
+    replaced = []
+    for name, module in list(model.named_modules()):
+        base = getattr(module, "base_layer", module)
+        if type(base).__name__ != "Linear4bit" or any(name.startswith(r + ".") for r in replaced):
+            continue
+        replaced.append(name)
+        import bitsandbytes.functional as bnb_functional
+
+        weight = bnb_functional.dequantize_4bit(base.weight.data, base.weight.quant_state).to(torch.float32)
+        if base is not module:  # an adapted layer: its update added in
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter).to(torch.float32)
+        linear = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+        linear.weight.data = weight
+        if base.bias is not None:
+            linear.bias.data = base.bias.data.to(torch.float32)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    return model.merge_and_unload()
