@@ -22,6 +22,8 @@ from framework.errors import UserError
 # for classification, keep the new head (``classifier`` or ``score``) trainable.
 TASK_TYPES = {"text_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
+NO_4BIT_ON_XLA = ("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
+                  "quantize on XLA (peft.quantize=null)")
 
 
 def check(cfg, strategy: str) -> List[str]:
@@ -37,8 +39,7 @@ def check(cfg, strategy: str) -> List[str]:
         problems.append(f"peft: adapters run with one process or DDP (and on XLA), not with distributed.strategy "
                         f"{strategy}; use distributed.strategy=ddp, or remove the peft section")
     if p.quantize and cfg.backend == "xla":
-        problems.append("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
-                        "quantize on XLA (peft.quantize=null)")
+        problems.append(NO_4BIT_ON_XLA)
     return problems
 
 
@@ -49,10 +50,14 @@ def apply(model: torch.nn.Module, cfg, task_name: str, device_type: str) -> torc
         return model
     from peft import LoraConfig, get_peft_model
 
+    names = [name for name, _ in model.named_modules()]
+    for wanted in p.modules_to_save:
+        if not any(name == wanted or name.endswith("." + wanted) for name in names):
+            raise UserError(f"peft.modules_to_save: '{wanted}' names no module of this model; module names look "
+                            f"like {', '.join(repr(n) for n in names[1:4])}")
     if p.quantize:
-        if device_type == "xla":
-            raise UserError("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA "
-                            "without quantize on XLA (peft.quantize=null)")
+        if device_type == "xla":  # backend auto on an XLA machine
+            raise UserError(NO_4BIT_ON_XLA)
         _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
     try:
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,

@@ -206,11 +206,12 @@ def test_lora_two_processes_equal_one_with_double_batch(cli, hf_home, pretrained
 @pytest.mark.parametrize("extra,message", [
     (["peft.target_modules=[nothing_like_this]"], "peft.target_modules: "),
     (["peft.quantize=8bit"], "peft.quantize: '8bit' is not allowed"),
+    (["peft.modules_to_save=[head]"], "peft.modules_to_save: 'head' names no module"),
     (["peft.lora_alpha=8"], "did you mean 'peft.alpha'"),
     (["peft.r=0"], "peft.r: 0 is out of range"),
     (["peft.quantize=4bit", "backend=xla"], "peft.quantize: 4-bit weights need bitsandbytes kernels"),
     (["distributed.strategy=fsdp"], "peft: adapters run with one process or DDP"),
-], ids=["target_modules", "quantize", "typo", "rank", "xla", "fsdp"])
+], ids=["target_modules", "quantize", "modules_to_save", "typo", "rank", "xla", "fsdp"])
 def test_bad_adapter_settings_are_refused_by_key(hf_home, tiny_model, easy_data, tmp_path, capsys, extra, message):
     out = tmp_path / "bad"
     assert run_main(classifier_args(tiny_model, easy_data, out, *LORA, *extra), hf_home) == 2
