@@ -43,7 +43,7 @@ def check(cfg, strategy: str) -> List[str]:
     return problems
 
 
-def apply(model: torch.nn.Module, cfg, task_name: str, device_type: str) -> torch.nn.Module:
+def apply(model: torch.nn.Module, cfg, device_type: str) -> torch.nn.Module:
     """The model with adapters (a ``PeftModel``); unchanged without a ``peft`` section."""
     p = cfg.peft
     if p is None:
@@ -61,7 +61,7 @@ def apply(model: torch.nn.Module, cfg, task_name: str, device_type: str) -> torc
         _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
     try:
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
-                            modules_to_save=list(p.modules_to_save) or None, task_type=TASK_TYPES.get(task_name))
+                            modules_to_save=list(p.modules_to_save) or None, task_type=TASK_TYPES.get(cfg.task))
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
@@ -102,8 +102,7 @@ def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
         quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4").to(weight.device)
         if module.bias is not None:
             quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+        model.set_submodule(name, quantized)
 
 
 def is_adapted(model: torch.nn.Module) -> bool:
@@ -144,6 +143,5 @@ def merged(model: torch.nn.Module) -> torch.nn.Module:
         linear.weight.data = weight
         if base.bias is not None:
             linear.bias.data = base.bias.data.to(torch.float32)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, linear)
+        model.set_submodule(name, linear)
     return model.merge_and_unload()

@@ -477,12 +477,12 @@ def _build(cls: type, data: Any, prefix: str) -> tuple[Any, List[str]]:
             values[key] = [b[0] for b in built]
             problems += [p for b in built for p in b[1]]
             continue
-        if _section(kind) is not None and kind is not _section(kind) and value is None:
-            values[key] = None  # an optional section (peft), off
-            continue
-        if _section(kind) is not None:
-            kind = _section(kind)
-            values[key], sub = _build(kind, value if value is not None else {}, f"{prefix}{key}.")
+        section = _section(kind)
+        if section is not None:
+            if value is None and section is not kind:  # an optional section (peft), off
+                values[key] = None
+                continue
+            values[key], sub = _build(section, value if value is not None else {}, f"{prefix}{key}.")
             problems += sub
             continue
         ok, value, allowed = _coerce(value, kind)

@@ -94,7 +94,7 @@ def setup(cfg: RunConfig) -> Run:
     with accelerator.main_process_first():
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task)
     eval_ds = data.longest_first(eval_ds)
-    model = adapters.apply(model, cfg, cfg.task, accelerator.device.type)
+    model = adapters.apply(model, cfg, accelerator.device.type)
 
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
