@@ -32,6 +32,7 @@ TRACKER_PROJECT = "framework"  # the project name the trackers log under, a fold
 RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints",
                TRACKER_PROJECT)  # the trackers' logs (tensorboard's event files) are in output_dir/<project>
 STATE_FILE = "trainer_state.json"
+LOADER_FILE = "stream_{}.pt"  # a streaming run's loader state, one per process
 
 
 def previous_outputs(output_dir: Path) -> list:
@@ -213,9 +214,10 @@ def newest_complete(folder: Path) -> Tuple[Optional[Path], List[str]]:
 
 
 def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int],
-         recipe: Dict, devices: int) -> Path:
+         recipe: Dict, devices: int, loader_state: Optional[Dict] = None) -> Path:
     """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively).
-    ``recipe`` (``config.to_dict``) and ``devices`` are recorded so that a resume can be checked against them."""
+    ``recipe`` (``config.to_dict``) and ``devices`` are recorded so that a resume can be checked against them.
+    ``loader_state``: this process's position in a stream (each process reads its own share)."""
     folder = output_dir / "checkpoints"
     final = folder / f"step_{state['step']}"
     tmp = folder / f".tmp_step_{state['step']}"
@@ -224,6 +226,8 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     device.save_state(accelerator, str(tmp))
+    if loader_state is not None:
+        torch.save(loader_state, tmp / LOADER_FILE.format(accelerator.process_index))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -249,6 +253,15 @@ def load(accelerator: Accelerator, path: Path) -> Dict:
     """Restore everything ``save`` wrote; returns the loop's state."""
     accelerator.load_state(str(path))
     return json.loads((path / STATE_FILE).read_text())["state"]
+
+
+def loader_state(accelerator: Accelerator, path: Path) -> Dict:
+    """This process's stream position saved by ``save``."""
+    file = path / LOADER_FILE.format(accelerator.process_index)
+    if not file.is_file():
+        raise UserError(f"checkpoint {path} has no stream position ({file.name}): it was not saved by a "
+                        "data.streaming run; resume it with its own recipe, or set checkpoint.resume=never")
+    return torch.load(file, weights_only=False)  # numpy arrays (the shuffle buffer) and the generator state
 
 
 # ---------------------------------------------------------------- preemption (signals: framework/signals.py)

@@ -43,11 +43,40 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One corpus of a mix (``data.sources``)."""
+
+    train_file: Optional[Union[str, List[str]]] = None
+    """Its files: a path, a glob (``shards/*.jsonl``) or a list of them, in one format."""
+    dataset: Optional[str] = None
+    """Or a Hub dataset name."""
+    dataset_config: Optional[str] = None
+    """The Hub dataset's configuration name, if it has several."""
+    split: str = "train"
+    """The split of ``dataset`` to read."""
+    weight: float = _bounded(1.0, gt=0.0)
+    """Its share of the rows drawn (weights are normalised to probabilities)."""
+
+
+@dataclass
 class DataConfig:
-    train_file: Optional[str] = None
-    """Training data: csv, tsv, json, jsonl or parquet, optionally compressed (.gz, .bz2, .xz, .zst, .zip)."""
-    eval_file: Optional[str] = None
+    train_file: Optional[Union[str, List[str]]] = None
+    """Training data: csv, tsv, json, jsonl, parquet or txt, optionally compressed (.gz, .bz2, .xz, .zst, .zip);
+    a path, a glob (``shards/*.jsonl``) or a list of them, in one format."""
+    eval_file: Optional[Union[str, List[str]]] = None
     """Evaluation data in the same formats. Without it, ``eval_fraction`` of the training rows is held out."""
+    sources: List[SourceConfig] = field(default_factory=list)
+    """Several corpora drawn by probability instead of ``train_file``/``dataset``: a list of
+    ``{train_file | dataset, weight}``. Rows are drawn from source i with probability weight_i / sum(weights)
+    (seeded by ``seed``) until every source has been read once: that is an epoch. Their ``data.text_column``
+    (and label column) must exist in each."""
+    streaming: bool = False
+    """Read the data as a stream (a ``datasets`` IterableDataset): rows are tokenized (and packed) on the fly
+    and never all held in memory; each process reads its own share. An epoch is one pass over the files,
+    so ``train.max_steps`` sizes the run; evaluation reads ``eval.batches`` batches of the eval stream."""
+    shuffle_buffer: int = _bounded(1000, ge=1)
+    """Streaming: examples are drawn at random from a buffer of this many (its contents are saved in every
+    checkpoint, so a resume is exact); the file order is also shuffled every epoch. 1: file order."""
     dataset: Optional[str] = None
     """A Hub dataset name, used instead of ``train_file`` (needs network or a filled datasets cache)."""
     dataset_config: Optional[str] = None
@@ -127,7 +156,11 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_steps: Optional[int] = _bounded(None, gt=0)
-    """Evaluate every this many optimizer steps instead of after every epoch (and always at the end)."""
+    """Evaluate every this many optimizer steps instead of after every epoch (and always at the end). With
+    ``data.streaming`` (epochs of unknown length) the default is only at the end."""
+    batches: Optional[int] = _bounded(None, gt=0)
+    """Evaluate on at most this many batches (of ``train.eval_batch_size``): the same examples every time.
+    Streaming: the number of batches read from the start of the eval stream, default 16."""
     metric: Optional[str] = None
     """Metric that picks the best model (one of the task's: loss, accuracy, f1 for classification; loss,
     perplexity, accuracy for language models): model/ then holds the best, not the last."""
@@ -549,10 +582,29 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
 
     problems = []
     d = cfg.data
-    if not d.train_file and not d.dataset:
-        problems.append("data.train_file is required (or data.dataset for a Hub dataset)")
+    if d.sources:
+        if d.train_file or d.dataset:
+            problems.append("data.sources replaces data.train_file and data.dataset; remove those")
+        for i, source in enumerate(d.sources):
+            if bool(source.train_file) == bool(source.dataset):
+                problems.append(f"data.sources[{i}]: set train_file (files) or dataset (a Hub dataset), one of them")
+    elif not d.train_file and not d.dataset:
+        problems.append("data.train_file is required (or data.dataset for a Hub dataset, or data.sources for a mix)")
     if d.train_file and d.dataset:
         problems.append("set data.train_file or data.dataset, not both")
+    if d.streaming:
+        if cfg.train.max_steps is None:
+            problems.append("train.max_steps is required with data.streaming: a stream's length is unknown "
+                            "until it is read, so runs are sized in optimizer steps")
+        if d.num_workers:
+            problems.append("data.num_workers: a stream is read in the training process (so that checkpoints "
+                            "hold its exact position); set data.num_workers=0")
+        if d.group_by_length:
+            problems.append("data.group_by_length: a stream has no lengths to sort by; remove it or set "
+                            "data.streaming=false")
+        if cfg.checkpoint.every_epoch:
+            problems.append("checkpoint.every_epoch: with data.streaming each process ends its epochs at its "
+                            "own step; use checkpoint.every_steps")
     if d.pad_buckets is not None and (not d.pad_buckets or any(b <= 0 for b in d.pad_buckets)):
         problems.append(f"data.pad_buckets: {d.pad_buckets} must be a non-empty list of positive lengths")
     if cfg.model.name_or_path and cfg.model.config is not None:

@@ -7,10 +7,11 @@ tokenizing again.
 
 from __future__ import annotations
 
+import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import datasets
 import torch
@@ -19,7 +20,7 @@ from transformers import DataCollatorWithPadding
 from transformers.trainer_pt_utils import get_length_grouped_indices
 from datasets.fingerprint import Hasher
 
-from framework.config import DataConfig
+from framework.config import DataConfig, SourceConfig
 from framework.errors import UserError
 from framework.hub import require_hub
 
@@ -41,15 +42,46 @@ class Splits:
     eval: datasets.Dataset
 
 
+def train_sources(cfg: DataConfig) -> List[Tuple[str, SourceConfig]]:
+    """(recipe key, source) for every training corpus: ``data.sources``, or the one of ``data.train_file`` /
+    ``data.dataset``."""
+    if cfg.sources:
+        return [(f"data.sources[{i}]", s) for i, s in enumerate(cfg.sources)]
+    return [("data", SourceConfig(train_file=cfg.train_file, dataset=cfg.dataset, dataset_config=cfg.dataset_config,
+                                  split=cfg.train_split))]
+
+
 def check_files(cfg: DataConfig) -> None:
     """Fail fast, before any model or data loading, on data files that cannot be read."""
-    for key in ("train_file", "eval_file"):
-        path = getattr(cfg, key)
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise UserError(f"data.{key}: file {path} does not exist (relative paths start at {Path.cwd()})")
-        _format(path, key)
+    for prefix, source in train_sources(cfg):
+        if source.train_file:
+            files(source.train_file, f"{prefix}.train_file")
+    if cfg.eval_file:
+        files(cfg.eval_file, "data.eval_file")
+
+
+def files(value, key: str) -> List[str]:
+    """The files of a ``train_file``/``eval_file`` value (a path, a glob or a list of them), checked: each
+    exists, and all share one format."""
+    found = []
+    for pattern in [value] if isinstance(value, str) else value:
+        pattern = str(pattern)
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+            if not matches:
+                raise UserError(f"{key}: no file matches {pattern} (relative paths start at {Path.cwd()})")
+            found += matches
+        elif not Path(pattern).is_file():
+            raise UserError(f"{key}: file {pattern} does not exist (relative paths start at {Path.cwd()})")
+        else:
+            found.append(pattern)
+    if not found:
+        raise UserError(f"{key}: the list of files is empty")
+    kinds = {_format(path, key) for path in found}
+    if len(kinds) > 1:
+        raise UserError(f"{key}: the files are in several formats ({', '.join(sorted(k[0] for k in kinds))}); "
+                        "one source reads one format: make several data.sources")
+    return found
 
 
 def _format(path: str, key: str) -> tuple:
@@ -58,21 +90,23 @@ def _format(path: str, key: str) -> tuple:
         suffixes.pop()
     if not suffixes or suffixes[-1] not in _FORMATS:
         known = ", ".join(_FORMATS)
-        raise UserError(f"data.{key}: cannot tell the format of {path}; use one of {known} (optionally .gz/.bz2/.xz/.zst/.zip)")
-    return _FORMATS[suffixes[-1]]
+        raise UserError(f"{key}: cannot tell the format of {path}; use one of {known} (optionally .gz/.bz2/.xz/.zst/.zip)")
+    builder, kwargs = _FORMATS[suffixes[-1]]
+    return builder, tuple(sorted(kwargs.items()))
 
 
-def _read_file(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
-    builder, kwargs = _format(path, key)
-    if builder == "text":
-        kwargs = {"sample_by": cfg.sample_by}
+def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = False):
+    """Rows of local files: a Dataset, or an IterableDataset (one shard per file) when ``streaming``."""
+    builder, kwargs = _format(paths[0], key)
+    kwargs = {"sample_by": cfg.sample_by} if builder == "text" else dict(kwargs)
     try:
-        return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
+        return datasets.load_dataset(builder, data_files={"data": paths}, split="data", streaming=streaming, **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
-        raise UserError(f"data.{key}: cannot read {path} as {builder}: {_root_cause(e)}") from None
+        raise UserError(f"{key}: cannot read {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} as "
+                        f"{builder}: {root_cause(e)}") from None
 
 
-def _root_cause(error: BaseException) -> str:
+def root_cause(error: BaseException) -> str:
     """The innermost error's first line: datasets wraps the reader's own message ("An error occurred while
     generating the dataset") around the one that says what is wrong."""
     while error.__cause__ is not None or error.__context__ is not None:
@@ -80,31 +114,69 @@ def _root_cause(error: BaseException) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def _read_hub(cfg: DataConfig, split: str) -> datasets.Dataset:
-    require_hub("data.dataset", cfg.dataset)
+def read_hub(key: str, name: str, config: Optional[str], split: str, streaming: bool = False):
+    require_hub(key, name)
     try:
-        return datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=split)
+        return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except ValueError as e:  # unknown split or configuration
-        raise UserError(f"data.dataset '{cfg.dataset}': {e}") from None
+        raise UserError(f"{key} '{name}': {e}") from None
     except Exception as e:
-        raise UserError(f"data.dataset: cannot load '{cfg.dataset}' from the Hub: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{key}: cannot load '{name}' from the Hub: {str(e).splitlines()[0]}") from None
+
+
+def read_source(prefix: str, source: SourceConfig, cfg: DataConfig, streaming: bool = False,
+                order: Optional[Callable[[List[str]], List[str]]] = None):
+    """One source's rows, with its name for messages. ``order`` reorders its files (a stream's epoch)."""
+    if source.dataset:
+        return (read_hub(f"{prefix}.dataset", source.dataset, source.dataset_config, source.split, streaming),
+                f"{prefix}.dataset '{source.dataset}'")
+    paths = files(source.train_file, f"{prefix}.train_file")
+    return (read_files(order(paths) if order else paths, f"{prefix}.train_file", cfg, streaming),
+            f"{prefix}.train_file {source.train_file}")
+
+
+def read_eval(cfg: DataConfig, streaming: bool = False):
+    """The eval set's rows and name, or (None, None) when it is held out of the training rows."""
+    if cfg.eval_file:
+        return (read_files(files(cfg.eval_file, "data.eval_file"), "data.eval_file", cfg, streaming),
+                f"data.eval_file {cfg.eval_file}")
+    if cfg.dataset and cfg.eval_split:
+        return (read_hub("data.dataset", cfg.dataset, cfg.dataset_config, cfg.eval_split, streaming),
+                f"split '{cfg.eval_split}'")
+    return None, None
+
+
+def mix(parts: list, weights: List[float], seed: int):
+    """Rows drawn from ``parts`` with probabilities proportional to ``weights`` (seeded), until every part has
+    been read once (the smaller ones start over meanwhile); one part is itself."""
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(weights)
+    try:
+        # One column type for all (a text file's large_string and a csv's string are both text).
+        first = next((p.features for p in parts if p.features is not None), None)
+        parts = [p.cast(first) if first is not None and p.features not in (None, first) else p for p in parts]
+        return datasets.interleave_datasets(parts, probabilities=[w / total for w in weights], seed=seed,
+                                            stopping_strategy="all_exhausted")
+    except (ValueError, TypeError) as e:
+        raise UserError(f"data.sources: cannot mix the sources (their columns must have the same types): "
+                        f"{str(e).splitlines()[0]}") from None
 
 
 def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable]) -> Splits:
     """Read train and eval data, check the task's ``columns`` (recipe key -> column), drop the rows
-    ``keep_row`` rejects, hold out ``eval_fraction`` when there is no eval set, and apply the sample caps."""
-    if cfg.dataset:
-        train, train_name = _read_hub(cfg, cfg.train_split), f"data.dataset '{cfg.dataset}'"
-        evaluation = _read_hub(cfg, cfg.eval_split) if cfg.eval_split else None
-    else:
-        train, train_name = _read_file(cfg.train_file, "train_file", cfg), f"data.train_file {cfg.train_file}"
-        evaluation = _read_file(cfg.eval_file, "eval_file", cfg) if cfg.eval_file else None
-    eval_name = f"data.eval_file {cfg.eval_file}" if cfg.eval_file else f"split '{cfg.eval_split}'"
-
-    train = _clean(train, columns, keep_row, train_name)
+    ``keep_row`` rejects, mix the sources, hold out ``eval_fraction`` when there is no eval set, and apply the
+    sample caps."""
+    parts, weights = [], []
+    for prefix, source in train_sources(cfg):
+        rows, name = read_source(prefix, source, cfg)
+        parts.append(_clean(rows, columns, keep_row, name).select_columns(list(columns.values())))
+        weights.append(source.weight)
+    train = mix(parts, weights, seed)
+    evaluation, eval_name = read_eval(cfg)
     if evaluation is None:
         if len(train) < 2:
-            raise UserError(f"{train_name} has {len(train)} usable row(s); too few to hold out an eval set")
+            raise UserError(f"the training data has {len(train)} usable row(s); too few to hold out an eval set")
         parts = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         train, evaluation = parts["train"], parts["test"]
     else:
@@ -118,9 +190,7 @@ def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: O
 
 def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Callable], name: str) -> datasets.Dataset:
     """Check the columns, then drop the rows the task cannot use."""
-    for key, column in columns.items():
-        if column not in ds.column_names:
-            raise UserError(f"{key}: column '{column}' is not in {name}; its columns are {', '.join(ds.column_names)}")
+    check_columns(ds.column_names, columns, name)
     if keep_row is None:
         return ds
     before = len(ds)
@@ -129,6 +199,22 @@ def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Cal
         raise UserError(f"{name} has no usable rows (it has {before}): every row has an empty "
                         f"{' or '.join(columns.values())}, or is filtered out by the recipe")
     return ds
+
+
+def check_columns(present: List[str], columns: Dict[str, str], name: str) -> None:
+    for key, column in columns.items():
+        if column not in present:
+            raise UserError(f"{key}: column '{column}' is not in {name}; its columns are {', '.join(present)}")
+
+
+def map_rows(ds, function: Callable, identity: tuple, desc: str, with_indices: bool = False):
+    """``ds.map(function, batched=True)`` replacing its columns, for a Dataset (cached under a fingerprint of
+    ``identity`` and the rows) or an IterableDataset (applied on the fly)."""
+    if isinstance(ds, datasets.IterableDataset):
+        columns = ds.column_names or list(next(iter(ds.take(1)), {}))  # csv and json name theirs only once read
+        return ds.map(function, batched=True, with_indices=with_indices, remove_columns=columns)
+    return ds.map(function, batched=True, with_indices=with_indices, remove_columns=ds.column_names,
+                  new_fingerprint=Hasher.hash((ds._fingerprint, *identity)), desc=desc)
 
 
 def check_length(key: str, length: int, tokenizer, model) -> None:

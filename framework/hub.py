@@ -13,8 +13,8 @@ from framework.errors import UserError
 
 def require_hub(key: str, name: str) -> None:
     """Raise a UserError naming ``key`` when ``name`` would need the Hub and the Hub cannot be reached."""
-    hint = {"model.name_or_path": "point it at a local folder holding config.json, the weights and the tokenizer",
-            "data.dataset": "use data.train_file (and data.eval_file) with local files instead"}[key]
+    hint = ("use data.train_file (and data.eval_file) with local files instead" if key.endswith(".dataset") else
+            "point it at a local folder holding config.json, the weights and the tokenizer")
     if constants.HF_HUB_OFFLINE:
         return  # the clients then read only their local cache, and fail fast when it lacks the files
     url = urlparse(constants.ENDPOINT)

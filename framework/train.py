@@ -17,7 +17,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import adapters, checkpoint, data, device, hub, memory
+from framework import adapters, checkpoint, data, device, hub, memory, streaming
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -52,10 +52,10 @@ class Run:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
-    train_dl: DataLoader
+    train_dl: DataLoader  # or a streaming.StreamLoader (data.streaming)
     train_collate: object
     eval_dl: DataLoader
-    steps_per_epoch: int
+    steps_per_epoch: Optional[int]  # None for a stream
     total_steps: int
     plan: Dict[str, object]
     compile_watch: device.CompileWatch
@@ -63,13 +63,26 @@ class Run:
     memory_plan: Dict[str, object]
 
 
+def eval_rows(cfg: RunConfig) -> int:
+    """Rows per eval batch; under SPMD one process feeds every device, so its batch holds all of theirs."""
+    return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * device.spmd_devices()
+
+
 def load_model_and_data(cfg: RunConfig, task: Task):
     """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
-    (or built), and the rows prepared by the task. Seed first: a new model or head draws from the global RNG."""
+    (or built), and the rows prepared by the task; at most ``eval.batches`` eval batches. A stream's training
+    features are made later, per process (None here). Seed first: a new model or head draws from the global RNG."""
+    rows = eval_rows(cfg)
+    if cfg.data.streaming:
+        streaming.check_sources(cfg, task.columns(cfg))
+        model, tokenizer = task.load(cfg, None, None)
+        return model, tokenizer, None, streaming.eval_set(cfg, task, tokenizer, model, rows)
     splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
     model, tokenizer = task.load(cfg, splits.train, splits.eval)
-    return (model, tokenizer, task.prepare(splits.train, tokenizer, model, cfg),
-            task.prepare(splits.eval, tokenizer, model, cfg))
+    eval_ds = task.prepare(splits.eval, tokenizer, model, cfg)
+    if cfg.eval.batches:
+        eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.eval.batches * rows)))
+    return model, tokenizer, task.prepare(splits.train, tokenizer, model, cfg), eval_ds
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -90,36 +103,42 @@ def setup(cfg: RunConfig) -> Run:
     if start.resume_from is not None:
         checkpoint.check_devices(start.resume_from, accelerator.num_processes * device.spmd_devices())
     set_seed(cfg.seed)
+    t = cfg.train
+    # Under SPMD one process feeds every device: its loader batch holds every device's examples.
+    replicas = accelerator.num_processes * device.spmd_devices()
+    loader_batch = t.batch_size * device.spmd_devices()
+    per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task)
     eval_ds = data.longest_first(eval_ds)
     model = adapters.apply(model, cfg, accelerator.device.type)
 
-    t = cfg.train
-    # Under SPMD one process feeds every device: its loader batch holds every device's examples.
-    replicas = accelerator.num_processes * device.spmd_devices()
-    loader_batch = t.batch_size * device.spmd_devices()
-    per_step = t.batch_size * t.gradient_accumulation_steps * replicas
-    if len(train_ds) < per_step:
+    if train_ds is not None and len(train_ds) < per_step:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
                         f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
                         f"{replicas} devices = {per_step}); lower train.batch_size")
     buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
-    # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
-    sampler = data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed)
-    # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
-    # state a checkpoint restores for dropout.
     train_collate = task.collator(tokenizer, cfg, buckets)
-    train_dl = DataLoader(train_ds, batch_size=loader_batch, shuffle=sampler is None, sampler=sampler,
-                          drop_last=True, collate_fn=train_collate,
-                          num_workers=cfg.data.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+    if train_ds is None:  # a stream: each process reads its own share, and its loader keeps its exact position
+        stream = streaming.train_stream(cfg, task, tokenizer, model, accelerator.process_index,
+                                        accelerator.num_processes)
+        train_dl = streaming.StreamLoader(stream, train_collate, loader_batch, cfg.data.shuffle_buffer, cfg.seed,
+                                          accelerator.device)
+    else:
+        # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
+        # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
+        # state a checkpoint restores for dropout.
+        train_dl = DataLoader(train_ds, batch_size=loader_batch, drop_last=True, collate_fn=train_collate,
+                              sampler=data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed),
+                              shuffle=not cfg.data.group_by_length, num_workers=cfg.data.num_workers,
+                              generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
-    eval_rows = (t.eval_batch_size or 2 * t.batch_size) * device.spmd_devices()
-    eval_collate = task.collator(tokenizer, cfg, buckets[-1:] if buckets else None, rows=eval_rows if buckets else None)
+    rows = eval_rows(cfg)
+    eval_collate = task.collator(tokenizer, cfg, buckets[-1:] if buckets else None, rows=rows if buckets else None)
     # Its own generator too: iterating a loader draws a seed, which would otherwise come from the global RNG
     # and shift dropout after every evaluation (evaluating more or less often must not change training).
-    eval_dl = DataLoader(eval_ds, batch_size=eval_rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
+    eval_dl = DataLoader(eval_ds, batch_size=rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
                          generator=torch.Generator().manual_seed(cfg.seed))
     if device.model_checkpointing(cfg):
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -131,10 +150,13 @@ def setup(cfg: RunConfig) -> Run:
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
     memory_plan = memory.plan(model, cfg, accelerator.num_processes, seq_length=task.sequence_length(cfg, model),
                               token_logits=task.token_logits)  # before prepare() shards anything
-    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
-
-    steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
-    total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+    if train_ds is None:
+        model, optimizer, eval_dl = accelerator.prepare(model, optimizer, eval_dl)
+        steps_per_epoch, total_steps = None, t.max_steps
+    else:
+        model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+        steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
+        total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
 
     plan = {
@@ -142,14 +164,14 @@ def setup(cfg: RunConfig) -> Run:
         "per_device_batch": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "effective_batch": per_step,
-        "train_examples": len(train_ds),
+        "train_examples": len(train_ds) if train_ds is not None else "a stream",
         "eval_examples": len(eval_ds),
         "padding": f"static, lengths {buckets}" if buckets else "dynamic",
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
-        "epochs": round(total_steps / steps_per_epoch, 3),
+        "epochs": round(total_steps / steps_per_epoch, 3) if steps_per_epoch else None,
         "resume_from": str(start.resume_from) if start.resume_from else None,
-        "notes": device.notes(cfg, accelerator) + start.notes,
+        "notes": device.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds)),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
@@ -272,14 +294,17 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
     acc, cfg = run.accelerator, run.cfg
     accum = cfg.train.gradient_accumulation_steps
-    micro_per_epoch = run.steps_per_epoch * accum
-    done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
-    batches = acc.skip_first_batches(run.train_dl, done) if done else run.train_dl
-    # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
-    # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
-    batches.set_epoch(state.epoch)
-    if hasattr(run.train_collate, "set_epoch"):  # a collator that draws (MLM masks) does so per epoch too
-        run.train_collate.set_epoch(state.epoch)
+    if run.steps_per_epoch is None:  # a stream: endless, keeping its own epochs and (resumed) position
+        batches, done, micro_per_epoch = run.train_dl, 0, math.inf
+    else:
+        micro_per_epoch = run.steps_per_epoch * accum
+        done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
+        batches = acc.skip_first_batches(run.train_dl, done) if done else run.train_dl
+        # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
+        # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
+        batches.set_epoch(state.epoch)
+        if hasattr(run.train_collate, "set_epoch"):  # a collator that draws (MLM masks) does so per epoch too
+            run.train_collate.set_epoch(state.epoch)
     step_batches = []
     for micro, batch in enumerate(batches, start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
@@ -294,6 +319,8 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
             local_sgd.step()
         state.step += 1
         state.epoch_step += 1
+        if run.steps_per_epoch is None:
+            state.epoch = run.train_dl.epoch
         reporter.step()
         if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
             with run.compile_watch.host_work():
@@ -329,8 +356,10 @@ def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.total_tokens())
+    loader_state = run.train_dl.state_dict() if run.steps_per_epoch is None else None
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
-                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * device.spmd_devices())
+                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * device.spmd_devices(),
+                    loader_state=loader_state)
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
@@ -380,7 +409,7 @@ def evaluate(run: Run) -> Dict[str, float]:
     acc, model = run.accelerator, run.model
     model.eval()
     parts = defaultdict(list)
-    with torch.no_grad():
+    with torch.no_grad(), device.large_buffers_unmapped():
         for batch in run.eval_dl:
             batch = device.shard_batch(batch)
             valid = batch.pop("valid", None)
@@ -423,6 +452,8 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     state, start = TrainState(), run.start
     if start.resume_from is not None:
         state = TrainState(**checkpoint.load(acc, start.resume_from))
+        if run.steps_per_epoch is None:
+            run.train_dl.load_state_dict(checkpoint.loader_state(acc, start.resume_from))
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if start.clear:

@@ -23,7 +23,6 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from datasets.fingerprint import Hasher
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
@@ -87,10 +86,9 @@ class CausalLM(LanguageModel):
             ids = [doc[:length] for doc in ids]
             return {"input_ids": ids, "attention_mask": [[1] * len(doc) for doc in ids]}
 
-        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), column, length, packed))
-        ds = ds.map(tokenize, batched=True, batch_size=1000, remove_columns=ds.column_names,
-                    new_fingerprint=fingerprint, desc="Packing" if packed else "Tokenizing")
-        if len(ds) == 0:
+        ds = data.map_rows(ds, tokenize, (data.tokenizer_identity(tokenizer), column, length, packed),
+                           "Packing" if packed else "Tokenizing")
+        if isinstance(ds, datasets.Dataset) and len(ds) == 0:  # a stream finds out when it is read
             raise UserError(f"data.block_size={length}: the training or eval documents hold fewer tokens than one "
                             "block; lower data.block_size (or add data)")
         return ds
@@ -191,7 +189,8 @@ def _logits_and_targets(model, batch):
     inputs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "position_ids" in batch:
         mask = document_mask(batch["position_ids"])
-        if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # eager adds the mask to the scores
+        config = getattr(model, "module", model).config  # under DDP, FSDP or DeepSpeed: the wrapped model's
+        if getattr(config, "_attn_implementation", "sdpa") == "eager":  # eager adds the mask to the scores
             dtype = next(model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         inputs.update(attention_mask=mask, position_ids=batch["position_ids"])

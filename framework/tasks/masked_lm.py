@@ -16,7 +16,6 @@ from typing import Dict, List
 import datasets
 import numpy as np
 import torch
-from datasets.fingerprint import Hasher
 from transformers import AutoConfig, AutoModelForMaskedLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
@@ -70,9 +69,8 @@ class MaskedLM(LanguageModel):
             features[INDEX] = indices
             return features
 
-        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), column, length))
-        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                      new_fingerprint=fingerprint, desc="Tokenizing")
+        return data.map_rows(ds, encode, (data.tokenizer_identity(tokenizer), column, length), "Tokenizing",
+                             with_indices=True)
 
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return MaskingCollator(tokenizer, buckets, rows, cfg.data.mlm_probability, cfg.seed)

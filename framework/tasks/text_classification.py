@@ -12,7 +12,6 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from datasets.fingerprint import Hasher
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data
@@ -35,6 +34,9 @@ class TextClassification(Task):
             problems.append("model.config: text_classification fine-tunes a pretrained model; use model.name_or_path")
         if cfg.data.packing:
             problems.append("data.packing: only language models pack documents; remove it for text_classification")
+        if cfg.data.streaming and not cfg.data.labels:
+            problems.append("data.labels is required with data.streaming: the label set (and the model's head) "
+                            "must be known before the stream is read, e.g. data.labels=[negative,positive]")
         if cfg.data.labels is not None and len(set(cfg.data.labels)) < 2:
             problems.append(f"data.labels: {cfg.data.labels} must name at least two distinct labels")
         return problems
@@ -95,10 +97,8 @@ class TextClassification(Task):
             features[LABELS] = [to_id[str(v)] for v in batch[d.label_column]]
             return features
 
-        fingerprint = Hasher.hash((ds._fingerprint, data.tokenizer_identity(tokenizer), d.max_length, columns,
-                                   d.label_column, sorted(to_id.items())))
-        return ds.map(encode, batched=True, remove_columns=ds.column_names, new_fingerprint=fingerprint,
-                      desc="Tokenizing")
+        return data.map_rows(ds, encode, (data.tokenizer_identity(tokenizer), d.max_length, columns, d.label_column,
+                                          sorted(to_id.items())), "Tokenizing")
 
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return data.collator(tokenizer, buckets, rows)
