@@ -145,8 +145,8 @@ class StreamLoader:
 
     def __iter__(self):
         while True:
-            self._stream = self.make(self.epoch)
-            if self._resume_at is not None:
+            self._stream, resumed = self.make(self.epoch), self._resume_at is not None
+            if resumed:
                 self._stream.load_state_dict(self._resume_at["stream"])
                 self._rng = np.random.default_rng()
                 self._rng.bit_generator.state = self._resume_at["rng"]
@@ -159,7 +159,7 @@ class StreamLoader:
             for batch in self._batches():
                 batches += 1
                 yield batch
-            if batches == 0 and not self._buffer:
+            if batches == 0 and not resumed:  # (a resumed epoch may have had nothing left)
                 raise UserError(f"the training stream holds fewer than one batch ({self.batch_size} examples per "
                                 "process); add data, lower train.batch_size (or data.block_size)")
             self.epoch += 1

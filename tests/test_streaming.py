@@ -81,7 +81,7 @@ def test_eval_is_a_fixed_held_out_set(hf_home, word_tokenizer, shards, tmp_path,
     assert 0.2 < len(held) / len(everything) < 0.4  # data.eval_fraction 0.3
 
 
-def test_the_loader_covers_every_example_once_per_epoch_and_restores_mid_epoch():
+def test_the_loader_covers_every_example_once_per_epoch_and_restores_exactly():
     from framework.streaming import StreamLoader
 
     def make(epoch):  # 3 shards, reordered per epoch as the real streams are
@@ -106,6 +106,15 @@ def test_the_loader_covers_every_example_once_per_epoch_and_restores_mid_epoch()
     b = loader()
     b.load_state_dict(state)
     assert [next(iter_b) for iter_b in [iter(b)] for _ in range(43)] == reference[7:]
+
+    # Saved right after an epoch's last batch: the resumed epoch has nothing left, and the next one follows.
+    c = loader()
+    it = iter(c)
+    for _ in range(30):
+        next(it)
+    d = loader()
+    d.load_state_dict(c.state_dict())
+    assert [next(iter_d) for iter_d in [iter(d)] for _ in range(5)] == reference[:5]
 
 
 @pytest.mark.parametrize("streaming", [False, True])
