@@ -165,22 +165,24 @@ def mix(parts: list, weights: List[float], seed: int):
 
 def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable]) -> Splits:
     """Read train and eval data, check the task's ``columns`` (recipe key -> column), drop the rows
-    ``keep_row`` rejects, mix the sources, hold out ``eval_fraction`` when there is no eval set, and apply the
+    ``keep_row`` rejects, hold out ``eval_fraction`` of each source when there is no eval set (before mixing,
+    so that a row a mix repeats is never both trained and evaluated on), mix the sources, and apply the
     sample caps."""
-    parts, weights = [], []
+    evaluation, eval_name = read_eval(cfg)
+    parts, held, weights = [], [], []
     for prefix, source in train_sources(cfg):
         rows, name = read_source(prefix, source, cfg)
-        parts.append(_clean(rows, columns, keep_row, name).select_columns(list(columns.values())))
+        rows = _clean(rows, columns, keep_row, name).select_columns(list(columns.values()))
+        if evaluation is None:
+            if len(rows) < 2:
+                raise UserError(f"{name} has {len(rows)} usable row(s); too few to hold out an eval set")
+            split = rows.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+            rows = split["train"]
+            held.append(split["test"])
+        parts.append(rows)
         weights.append(source.weight)
     train = mix(parts, weights, seed)
-    evaluation, eval_name = read_eval(cfg)
-    if evaluation is None:
-        if len(train) < 2:
-            raise UserError(f"the training data has {len(train)} usable row(s); too few to hold out an eval set")
-        parts = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-        train, evaluation = parts["train"], parts["test"]
-    else:
-        evaluation = _clean(evaluation, columns, keep_row, eval_name)
+    evaluation = mix(held, weights, seed) if held else _clean(evaluation, columns, keep_row, eval_name)
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
     if cfg.max_eval_samples:

@@ -134,8 +134,12 @@ def test_sources_are_mixed_by_weight(tmp_path, streaming):
     task = get_task("causal_lm")
     if streaming:
         rows = list(stream.rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=False))
+        held = list(stream.rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=True))
     else:
-        rows = list(data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).train)
+        splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
+        rows, held = list(splits.train), list(splits.eval)
+    # Held out before mixing: a row the mix repeats is never both trained and evaluated on.
+    assert held and not {r["text"] for r in rows} & {r["text"] for r in held}
     counts = Counter(r["text"].split()[0] for r in rows[:4000])
     share = counts["alpha"] / sum(counts.values())
     assert abs(share - 0.75) < 3 * (0.75 * 0.25 / sum(counts.values())) ** 0.5  # within 3 sigma of 3:1
