@@ -236,6 +236,7 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
 # glibc's mallopt parameters, and the mmap threshold while large buffers are reused (None: they are not).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _GLIBC_DEFAULT_MMAP_MAX = 32 << 20
+_HEAP_UP_TO = 1 << 30  # the mmap threshold while large buffers are reused
 _libc = None
 
 
@@ -253,7 +254,7 @@ def _reuse_large_buffers() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31):
+        if libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31):
             _libc = libc
             return True
     except (OSError, AttributeError):  # not glibc (musl, ...)
@@ -274,7 +275,7 @@ def large_buffers_unmapped():
     try:
         yield
     finally:
-        _libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+        _libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO)
 
 
 def cpu_threads(cfg: RunConfig) -> Tuple[int, str]:

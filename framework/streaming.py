@@ -178,18 +178,14 @@ class StreamLoader:
         """The stream's examples in buffer-shuffled order; the buffer holds arrays (a list of Python ints
         takes four times the memory)."""
         for example in _read(self._stream, "the training stream"):
-            example = {k: np.asarray(v) if isinstance(v, list) else v for k, v in example.items()}
-            if len(self._buffer) < self.buffer_size - 1:
-                self._buffer.append(example)
-                continue
-            if self.buffer_size == 1:
-                yield example
-                continue
-            self._buffer.append(example)
-            i = int(self._rng.integers(len(self._buffer)))
-            self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
-            yield self._buffer.pop()
+            self._buffer.append({k: np.asarray(v) if isinstance(v, list) else v for k, v in example.items()})
+            if len(self._buffer) >= self.buffer_size:
+                yield self._draw()
         while self._buffer:
-            i = int(self._rng.integers(len(self._buffer)))
-            self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
-            yield self._buffer.pop()
+            yield self._draw()
+
+    def _draw(self) -> dict:
+        """Take a random example out of the buffer."""
+        i = int(self._rng.integers(len(self._buffer)))
+        self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
+        return self._buffer.pop()

@@ -129,9 +129,9 @@ def setup(cfg: RunConfig) -> Run:
         # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
         # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
         # state a checkpoint restores for dropout.
+        sampler = data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed)
         train_dl = DataLoader(train_ds, batch_size=loader_batch, drop_last=True, collate_fn=train_collate,
-                              sampler=data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed),
-                              shuffle=not cfg.data.group_by_length, num_workers=cfg.data.num_workers,
+                              sampler=sampler, shuffle=sampler is None, num_workers=cfg.data.num_workers,
                               generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
     rows = eval_rows(cfg)
