@@ -22,15 +22,15 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from framework import adapters, device
+from framework import adapters, device, profiling, report
 from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
-from framework.report import write_text
 
 TRACKER_PROJECT = "framework"  # the project name the trackers log under, a folder of output_dir
 # What a run writes into output_dir (the run contract). Finding any of them means another run was here.
-RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints",
-               TRACKER_PROJECT)  # the trackers' logs (tensorboard's event files) are in output_dir/<project>
+RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints", report.PAGE, report.PLOTS,
+               profiling.FOLDER, TRACKER_PROJECT, "wandb", "mlflow")  # the trackers' logs: tensorboard's event files in
+# output_dir/<project>, wandb's and mlflow's runs in output_dir/wandb and output_dir/mlflow
 STATE_FILE = "trainer_state.json"
 LOADER_FILE = "stream_{}.pt"  # a streaming run's loader state, one per process
 
@@ -166,7 +166,7 @@ def truncate_metrics(output_dir: Path, step: int) -> None:
     path = output_dir / "metrics.jsonl"
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        write_text(path, "".join(line + "\n" for line in kept))
+        report.write_text(path, "".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------- checkpoints

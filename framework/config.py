@@ -147,6 +147,10 @@ class TrainConfig:
     """torch.compile the model (not on XLA, which compiles graphs itself)."""
     early_stopping_patience: Optional[int] = _bounded(None, gt=0)
     """Stop after this many evaluations in a row without improving ``eval.metric``."""
+    profile_steps: Optional[List[int]] = None
+    """[START, END]: record a profiler trace of optimizer steps START to END (counted from 1), one file per process
+    in ``output_dir/profile/``: torch.profiler's Chrome trace JSON (open it in https://ui.perfetto.dev or
+    chrome://tracing), on XLA torch_xla's profiler (TensorBoard's profile plugin reads it)."""
     cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1)
     """Threads per process for CPU compute. auto: OMP_NUM_THREADS when it is set above 1 (a deliberate
     ``--num_cpu_threads_per_process``), else this machine's cores divided by its processes (plain
@@ -188,6 +192,15 @@ class CheckpointConfig:
     """auto: continue from the newest complete checkpoint in output_dir if there is one; never; or the path of
     a checkpoint (read only: the run writes into its own output_dir). The recipe must be the one the
     checkpoint was trained with, up to keys that cannot change the result (RESUME_FREE_KEYS)."""
+
+
+@dataclass
+class ReportConfig:
+    enabled: bool = True
+    """Write ``output_dir/report.html`` with PNG plots (curves, time, memory) at the end of the run and, while it
+    trains, every ``every_minutes``. Drawing takes about a second each time."""
+    every_minutes: float = _bounded(1.0, gt=0)
+    """How often the report is rewritten while the run trains (at the next log step after this long)."""
 
 
 @dataclass
@@ -312,7 +325,9 @@ class RunConfig:
     precision: Literal["no", "fp16", "bf16", "fp8"] = "no"
     """Mixed precision through accelerate."""
     report_to: List[str] = field(default_factory=list)
-    """Experiment trackers accelerate should log to (tensorboard, wandb, ...)."""
+    """Experiment trackers accelerate logs to: tensorboard, wandb, mlflow (or any of accelerate's: comet_ml, aim,
+    clearml, dvclive, swanlab, trackio). Their files go into output_dir (wandb and mlflow offline too)."""
+    report: ReportConfig = field(default_factory=ReportConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -333,8 +348,9 @@ def _schema_fields(cls: type) -> list:
 
 # Keys a resumed run may change: they cannot change the weights it trains (printed as notes on resume).
 # Every other key changes the training trajectory, and a resume with a different value is refused.
-RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "model.token", "data.num_workers", "train.log_every",
-                    "train.eval_batch_size", "train.cpu_threads", "checkpoint.every_steps", "checkpoint.every_epoch",
+RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "report.enabled", "report.every_minutes", "model.token",
+                    "data.num_workers", "train.log_every", "train.eval_batch_size", "train.cpu_threads",
+                    "train.profile_steps", "checkpoint.every_steps", "checkpoint.every_epoch",
                     "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume")
 # Free only while no metric picks the best model or stops early: then evaluation points decide the result.
 RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
@@ -353,7 +369,7 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
         raise UserError(f"recipe: cannot resolve an interpolation: {e}") from None
     data.pop("extends", None)
     cfg, problems = _build(RunConfig, data, "")
-    cfg.env_templates = _env_templates(_flatten(OmegaConf.to_container(raw, resolve=False)), _flatten(data))
+    cfg.env_templates = _env_templates(flatten(OmegaConf.to_container(raw, resolve=False)), flatten(data))
     problems += _cross_checks(cfg)
     if problems:
         where = f"recipe {path}" if path is not None else "recipe"
@@ -378,13 +394,13 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)), sort_keys=False)
 
 
-def _flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
+def flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
     """Nested mappings as {dotted key: value}; lists stay whole values."""
     if not isinstance(data, dict):
         return {prefix.rstrip("."): data}
     flat = {}
     for key, value in data.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
+        flat.update(flatten(value, f"{prefix}{key}."))
     return flat
 
 
@@ -406,8 +422,8 @@ def resume_differences(saved: Dict[str, Any], cfg: RunConfig) -> tuple[List[str]
     """Compare the recipe a checkpoint was trained with (``to_dict`` output) with ``cfg``. Returns
     (differences that change the training trajectory, differences that cannot), each 'key: old -> new'.
     Keys the saved recipe lacks (added to the schema since) count as their defaults."""
-    old = {**_flatten(to_dict(RunConfig())), **_flatten(saved)}
-    new = _flatten(to_dict(cfg))
+    old = {**flatten(to_dict(RunConfig())), **flatten(saved)}
+    new = flatten(to_dict(cfg))
     free = RESUME_FREE_KEYS + (RESUME_FREE_WITHOUT_METRIC if cfg.eval.metric is None else ())
     changed, harmless = [], []
     for key in sorted(set(old) | set(new)):
@@ -620,6 +636,14 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
                             f"{', '.join(task.metric_names())}")
     problems += adapters.check(cfg, cfg.distributed.strategy)
+    steps = cfg.train.profile_steps
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        problems.append(f"train.profile_steps: {steps} must be [START, END] with 1 <= START <= END (optimizer steps)")
+    from framework.report import TRACKER_PACKAGES
+
+    for name in cfg.report_to:
+        if name not in TRACKER_PACKAGES:
+            problems.append(f"report_to: {name!r} is not a tracker; use any of {', '.join(TRACKER_PACKAGES)}")
     if cfg.train.early_stopping_patience and cfg.eval.metric is None:
         problems.append("train.early_stopping_patience needs eval.metric (the metric that must keep improving)")
     o = cfg.optim

@@ -12,7 +12,8 @@ import dataclasses
 import importlib.util
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
@@ -564,6 +565,75 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dic
     if _on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
     return state_dict
+
+
+def _device_name(accelerator: Accelerator) -> str:
+    """The device's model, as its vendor names it: CUDA's device name, or the XLA device kind (``TPU v5 lite``)."""
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_name(accelerator.device)
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device_kind(accelerator.device)
+
+
+def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
+    """One device's peak FLOP/s in the precision its matrix products run in, and where the figure comes from
+    (said in the plan). On the CPU it is measured (a short matrix-product probe with this process's threads);
+    elsewhere it comes from ``flops.PEAK_TFLOPS`` by the device's name; None for a device the table lacks."""
+    from framework import flops
+
+    precision = accelerator.mixed_precision
+    if accelerator.device.type == "cpu":
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        size = flops.PROBE_SIZE
+        return flops.measure_matmul_peak(dtype), (f"measured: {str(dtype).replace('torch.', '')} {size}x{size} "
+                                                  f"matrix products, {torch.get_num_threads()} threads")
+    name = _device_name(accelerator)
+    row = flops.chip(name)
+    if precision == "no":  # fp32 products run on tensor cores as TF32 only when torch allows it
+        precision = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    value = flops.table_peak(row, precision) if row else None
+    if value is None:
+        return None, f"no peak FLOP/s known for {name} in {precision} (framework/flops.py PEAK_TFLOPS): no MFU"
+    return value, f"{row} {precision}, datasheet (dense)"
+
+
+class Trace:
+    """A profiler trace of this process, recording from its creation until ``stop()``, which writes it into
+    ``folder`` and returns the Chrome trace written. torch.profiler (host ops, and CUDA kernels on a GPU) writes
+    ``folder/name.json``; on XLA torch_xla's profiler writes the host and device timeline (tracing, compiling,
+    the executed HLO ops) into ``folder/plugins/profile/<time>/``: ``<host>.xplane.pb`` for TensorBoard's profile
+    plugin and ``<host>.trace.json.gz``, the Chrome trace."""
+
+    def __init__(self, accelerator: Accelerator, folder: Path, name: str):
+        self.folder, self.name, self.xla = folder, name, _on_xla(accelerator)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.xla:
+            import torch_xla.debug.profiler as xp
+
+            xp.start_trace(str(folder))
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if accelerator.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.profiler.start()
+
+    def range(self, name: str):
+        """A named range on the trace's timeline (an optimizer step). Not on XLA: torch_xla's ranges must not
+        hold a graph execution, and the step's graph runs when the next batch arrives."""
+        return nullcontext() if self.xla else torch.profiler.record_function(name)
+
+    def stop(self) -> Path:
+        if self.xla:
+            import torch_xla.debug.profiler as xp
+
+            xp.stop_trace()
+            return max(self.folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+        self.profiler.stop()
+        path = self.folder / f"{self.name}.json"
+        self.profiler.export_chrome_trace(str(path))
+        return path
 
 
 def total_memory_bytes(accelerator: Accelerator) -> Optional[int]:

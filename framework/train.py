@@ -17,11 +17,13 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import adapters, checkpoint, data, device, hub, memory, streaming
+from framework import adapters, checkpoint, data, device, flops, hub, memory, report, streaming
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
-from framework.report import Reporter, write_json, write_text
+from framework.profiling import StepProfiler
+from framework.report import (Clock, LivePage, Reporter, hyperparameters, tracker_options, write_json, write_report,
+                              write_text)
 from framework.signals import Signals
 from framework.tasks import Task, get_task
 
@@ -61,6 +63,9 @@ class Run:
     compile_watch: device.CompileWatch
     start: checkpoint.StartPoint
     memory_plan: Dict[str, object]
+    model_flops: flops.ModelFlops
+    peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
+    clock: Clock
 
 
 def eval_rows(cfg: RunConfig) -> int:
@@ -94,6 +99,7 @@ def setup(cfg: RunConfig) -> Run:
         if getattr(cfg.model, key):
             hub.check_model_path(getattr(cfg.model, key), f"model.{key}")
     task = get_task(cfg.task)
+    report.check_trackers(cfg.report_to)
     # The recipe was checked with its own strategy; auto may have become FSDP or DeepSpeed from the launch config.
     problems = adapters.check(cfg, device.resolved_distributed(cfg).strategy)
     if problems:
@@ -148,8 +154,11 @@ def setup(cfg: RunConfig) -> Run:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = device.place_model(accelerator, model)
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
-    memory_plan = memory.plan(model, cfg, accelerator.num_processes, seq_length=task.sequence_length(cfg, model),
+    seq_length = task.sequence_length(cfg, model)
+    memory_plan = memory.plan(model, cfg, accelerator.num_processes, seq_length=seq_length,
                               token_logits=task.token_logits)  # before prepare() shards anything
+    model_flops = flops.model_flops(model)
+    peak, peak_source = device.peak_flops(accelerator)
     if train_ds is None:
         model, optimizer, eval_dl = accelerator.prepare(model, optimizer, eval_dl)
         steps_per_epoch, total_steps = None, t.max_steps
@@ -171,44 +180,69 @@ def setup(cfg: RunConfig) -> Run:
         "total_steps": total_steps,
         "epochs": round(total_steps / steps_per_epoch, 3) if steps_per_epoch else None,
         "resume_from": str(start.resume_from) if start.resume_from else None,
-        "notes": device.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds)),
+        "model_flops_per_token": f"{model_flops.at(seq_length):.4g} at {seq_length} tokens "
+                                 f"({model_flops.matmul_parameters / 1e6:.2f}M non-embedding parameters; PaLM's "
+                                 "6N + 12LHQT, framework/flops.py)",
+        "peak_flops": f"{peak / 1e12:.4g} TFLOP/s per device ({peak_source})" if peak else None,
+        "notes": (device.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds))
+                  + ([] if peak else [f"mfu: {peak_source}"])),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan)
+               memory_plan, model_flops, peak * replicas if peak else None, Clock())
+
+
+@dataclass
+class Window:
+    """What one log window trained: read at its close."""
+
+    loss: float  # mean per target over the window and all processes
+    micro_steps: int
+    seconds: float
+    tokens: int  # real (non-padding) tokens, all processes
+    flops: float  # model FLOPs of those tokens (framework.flops)
 
 
 class LossWindow:
     """Training loss (a sum over targets, with their count) and tokens, summed on the device and read only at
     log intervals: reading them every step would force a host sync (and on XLA cut the step's graph)."""
 
-    def __init__(self, accelerator: Accelerator):
-        self.accelerator = accelerator
+    def __init__(self, accelerator: Accelerator, model_flops: flops.ModelFlops):
+        self.accelerator, self.model_flops = accelerator, model_flops
         self.loss_sum = device.zero_scalar(accelerator)
         self.targets = device.zero_scalar(accelerator)
+        # Since the start of this process's training: real tokens, and each token times its row's real length
+        # (attention's FLOPs grow with it); ``logged``: their values at the latest close.
         self.tokens = device.zero_scalar(accelerator, torch.long)
+        self.token_context = device.zero_scalar(accelerator, torch.long)
+        self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, targets, batch: Dict[str, torch.Tensor]) -> None:
         self.loss_sum += loss_sum.detach()
         self.targets += targets
-        self.tokens += batch["attention_mask"].sum()  # real tokens: padding never counts
+        row_lengths = batch["attention_mask"].sum(dim=1)  # real tokens: padding never counts
+        self.tokens += row_lengths.sum()
+        self.token_context += (row_lengths * row_lengths).sum()
         self.micro_steps += 1
 
-    def close(self) -> tuple:
-        """Host sync: (mean loss per target over the window and all processes, micro-steps, seconds); starts
-        a new window."""
+    def close(self) -> Window:
+        """Host sync: the window's figures over all processes; starts a new window."""
         loss = device.read_scalar(self.accelerator, self.loss_sum, "sum") / device.read_scalar(
             self.accelerator, self.targets, "sum")
-        result = (loss, self.micro_steps, time.perf_counter() - self.start)
+        (tokens, context), before = self.totals(), self.logged
+        result = Window(loss, self.micro_steps, time.perf_counter() - self.start, tokens - before[0],
+                        self.model_flops.total(tokens - before[0], context - before[1]))
+        self.logged = (tokens, context)
         self.loss_sum, self.targets = device.zero_scalar(self.accelerator), device.zero_scalar(self.accelerator)
         self.micro_steps, self.start = 0, time.perf_counter()
         return result
 
-    def total_tokens(self) -> int:
-        return int(device.read_scalar(self.accelerator, self.tokens, "sum"))
+    def totals(self) -> tuple:
+        """Host sync: (tokens, token context) trained on by this process's run so far, all processes."""
+        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) for t in (self.tokens, self.token_context))
 
     def snapshot(self) -> dict:
         """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
@@ -238,7 +272,7 @@ class Saves:
         self.check_every = device.preemption_check_interval(run.accelerator, run.cfg.train.log_every)
 
     def save(self, state: TrainState, window: LossWindow) -> None:
-        with self.run.compile_watch.host_work():
+        with self.run.compile_watch.host_work(), self.run.clock.phase("checkpoint"):
             _save_checkpoint(self.run, state, window)
         self.last, self.saved_step = time.monotonic(), state.step
 
@@ -263,34 +297,42 @@ class Saves:
                                        "run the same command again to resume")
 
 
-def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> None:
+def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> float:
     """Train until ``total_steps`` optimizer steps are done (or early stopping), evaluating after every
-    whole epoch or every ``eval.every_steps``. Raises Preempted after saving on SIGTERM/SIGINT."""
+    whole epoch or every ``eval.every_steps``; returns the model FLOPs trained. Raises Preempted after saving on
+    SIGTERM/SIGINT."""
     cfg = run.cfg
-    window = LossWindow(run.accelerator)
+    window = LossWindow(run.accelerator, run.model_flops)
     window.restore(state.window)
+    profiler = StepProfiler(run.accelerator, cfg.train.profile_steps, Path(cfg.output_dir), reporter.print)
     run.model.train()
     # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
     k = cfg.distributed.local_sgd_steps
     local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
     saves = Saves(run, signals)
     run.compile_watch.begin()
-    with local_sgd or nullcontext(), signals.deferred():
-        while state.step < run.total_steps and not state.stopped_early:
-            if _train_epoch(run, reporter, state, window, local_sgd, saves):
-                state.epoch, state.epoch_step = state.epoch + 1, 0
-                if cfg.eval.every_steps is None:
-                    _log_eval(run, reporter, state)
-                if cfg.checkpoint.every_epoch:
-                    saves.save(state, window)
-        if state.step < run.total_steps:  # stopped early: a signal may still wait for an answer
-            saves.stop_or_save(state, window)
+    profiler.after_step(state.step)
+    try:
+        with local_sgd or nullcontext(), signals.deferred():
+            while state.step < run.total_steps and not state.stopped_early:
+                if _train_epoch(run, reporter, state, window, local_sgd, saves, profiler):
+                    state.epoch, state.epoch_step = state.epoch + 1, 0
+                    if cfg.eval.every_steps is None:
+                        _log_eval(run, reporter, state)
+                    if cfg.checkpoint.every_epoch:
+                        saves.save(state, window)
+            if state.step < run.total_steps:  # stopped early: a signal may still wait for an answer
+                saves.stop_or_save(state, window)
+    finally:
+        profiler.close(state.step)
     with run.compile_watch.host_work():
-        state.tokens += window.total_tokens()
+        tokens, token_context = window.totals()
+    state.tokens += tokens
+    return run.model_flops.total(tokens, token_context)
 
 
 def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
-                 local_sgd: Optional[LocalSGD], saves: Saves) -> bool:
+                 local_sgd: Optional[LocalSGD], saves: Saves, profiler: StepProfiler) -> bool:
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
     acc, cfg = run.accelerator, run.cfg
     accum = cfg.train.gradient_accumulation_steps
@@ -306,13 +348,14 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if hasattr(run.train_collate, "set_epoch"):  # a collator that draws (MLM masks) does so per epoch too
             run.train_collate.set_epoch(state.epoch)
     step_batches = []
-    for micro, batch in enumerate(batches, start=done):
+    for micro, batch in enumerate(run.clock.timed(batches), start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
         step_batches.append(device.shard_batch(batch))
         if len(step_batches) < accum:
             continue
-        _optimizer_step(run, step_batches, window)
+        with profiler.step(state.step + 1):
+            _optimizer_step(run, step_batches, window)
         step_batches = []
         run.scheduler.step()
         if local_sgd is not None:
@@ -328,6 +371,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
             _log_eval(run, reporter, state)
         saves.after_step(state, window)
+        profiler.after_step(state.step)
         if state.step >= run.total_steps or state.stopped_early:
             return micro == micro_per_epoch - 1
     return True
@@ -355,7 +399,7 @@ def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
 
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
-    saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.total_tokens())
+    saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.totals()[0])
     loader_state = run.train_dl.state_dict() if run.steps_per_epoch is None else None
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
                     recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * device.spmd_devices(),
@@ -363,11 +407,16 @@ def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
-    state.last_loss, micro_steps, seconds = window.close()
-    speed = micro_steps * run.plan["effective_batch"] / run.cfg.train.gradient_accumulation_steps / seconds
-    reporter.log({"step": state.step, "epoch": state.epoch, "loss": state.last_loss,
-                  "lr": run.scheduler.get_last_lr()[0], "samples_per_second": speed})
-    reporter.show_loss(state.last_loss, speed)
+    closed = window.close()
+    state.last_loss = closed.loss
+    steps = closed.micro_steps / run.cfg.train.gradient_accumulation_steps
+    speed = steps * run.plan["effective_batch"] / closed.seconds
+    record = {"step": state.step, "epoch": state.epoch, "loss": closed.loss, "lr": run.scheduler.get_last_lr()[0],
+              "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds}
+    if run.peak_flops:
+        record["mfu"] = closed.flops / closed.seconds / run.peak_flops
+    reporter.log(record)
+    reporter.show_speed(closed.loss, speed, record["tokens_per_second"])
     warning = run.compile_watch.check(state.step)
     if warning:
         reporter.print(f"warning: {warning}")
@@ -375,7 +424,8 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
 
 def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
     """Evaluate; with eval.metric, keep the best model in model/ and count evaluations without progress."""
-    with run.compile_watch.host_work():  # evaluating, and saving the best model, read the device
+    # Evaluating, and saving the best model, read the device.
+    with run.compile_watch.host_work(), run.clock.phase("eval"):
         results = evaluate(run)
         state.evals.append({"step": state.step, **results})
         reporter.log({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in results.items()}})
@@ -465,17 +515,25 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
                   f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
         write_text(out / "config.yaml", to_yaml(cfg))
     acc.wait_for_everyone()
-    if cfg.report_to:
-        acc.init_trackers(checkpoint.TRACKER_PROJECT, config={"recipe": to_yaml(cfg)})
+    if cfg.report_to:  # the hyperparameters once, as one flat mapping
+        acc.init_trackers(checkpoint.TRACKER_PROJECT, config=hyperparameters(to_dict(cfg)),
+                          init_kwargs=tracker_options(out, cfg.report_to))
 
     first_step, first_tokens = state.step, state.tokens
-    reporter = Reporter(acc, out, run.total_steps, initial_step=state.step)
+    page = LivePage(out, {"plan": run.plan, "memory_plan": run.memory_plan}, cfg.report.every_minutes,
+                    run.clock) if cfg.report.enabled and acc.is_main_process else None
+    reporter = Reporter(acc, out, run.total_steps, initial_step=state.step, page=page)
     fit_start = time.perf_counter()
     try:
-        fit(run, reporter, state, signals or Signals())
+        model_flops = fit(run, reporter, state, signals or Signals())
+    except (checkpoint.Preempted, UserError):
+        if page is not None:  # the page shows where the run stopped
+            page.write()
+        raise
     finally:
         reporter.close()
     fit_seconds = time.perf_counter() - fit_start
+    fit_time = run.clock.breakdown(fit_seconds)  # before the final evaluation adds to it
     if not state.evals or state.evals[-1]["step"] != state.step:
         _log_eval(run, reporter, state)
     if cfg.eval.metric is None:  # otherwise model/ already holds the best model
@@ -501,7 +559,10 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         "memory": memory.measured(acc.unwrap_model(run.model), run.optimizer.optimizer,
                                   device.peak_memory_bytes(acc)),
         "memory_plan": run.memory_plan,
-        "wall_seconds": time.perf_counter() - started,
+        "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
+        "flops": {"trained": model_flops, "per_second": model_flops / fit_seconds,
+                  "peak_per_second": run.peak_flops},
+        "plan": run.plan,
     }
     if cfg.eval.metric is not None:
         summary["best"] = {"step": state.best_step, "metric": cfg.eval.metric, "value": state.best_value}
@@ -517,8 +578,13 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         summary["sample"] = sample
         if acc.is_main_process:
             print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
+    wall = time.perf_counter() - started
+    summary["wall_seconds"] = wall  # setup, the loop's parts and the finish (evaluation, saving) add up to it
+    summary["time"] = {"setup": fit_start - started, **fit_time, "finish": wall - (fit_start - started) - fit_seconds}
     if acc.is_main_process:
         write_json(out / "summary.json", summary)
+        if cfg.report.enabled:
+            write_report(out)
         print(f"done: eval {run.task.metric} {summary['eval'][run.task.metric]:.4f}, outputs in {out}")
     acc.end_training()
     return summary

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ def tiny_run(tmp_path_factory, tiny_model, easy_data, hf_home):
     env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
            str(ROOT / "accelerate_configs" / "cpu.yaml"), str(RUN),
-           *tiny_args(tiny_model, easy_data, out, "train.epochs=3")]
+           *tiny_args(tiny_model, easy_data, out, "train.epochs=3", "report.enabled=true")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return out, proc
@@ -65,6 +66,17 @@ def test_every_contract_output_exists(tiny_run):
     assert [r["step"] for r in records if "eval_accuracy" in r] == [45, 90, 135]  # one eval per epoch
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
     assert load_config(out / "config.yaml", []).train.epochs == 3
+
+
+def test_progress_bar_shows_the_eta_loss_and_speeds(tiny_run):
+    out, proc = tiny_run
+    bars = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.startswith("train loss")]
+    # tqdm's [elapsed<remaining, rate], then the loop's samples/s and tokens/s.
+    pattern = r"train loss \d\.\d{4}: +\d+%\|.*\| (\d+)/135 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(step/s|s/step), [\d.]+ samples/s, \d+ tokens/s\]"
+    shown = [re.fullmatch(pattern, line.strip()) for line in bars]
+    assert bars and all(shown), bars[:3]
+    assert shown[-1].group(1) == "135"
+    assert (out / "report.html").is_file() and (out / "plots" / "curves.png").is_file()  # also under accelerate launch
 
 
 def test_saved_model_carries_labels_and_loads_in_pipeline(tiny_run):
@@ -130,8 +142,26 @@ def test_tensorboard_logs_the_values_of_metrics_jsonl(tiny_model, easy_data, hf_
         for tag in events.Tags()["scalars"]:
             scalars.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
     records = read_metrics(out)
-    for key, steps in (("loss", [1, 2, 3, 4, 5, 6]), ("lr", [1, 2, 3, 4, 5, 6]), ("eval_loss", [3, 6]),
-                       ("eval_accuracy", [3, 6])):
+    for key, steps in (("loss", [1, 2, 3, 4, 5, 6]), ("lr", [1, 2, 3, 4, 5, 6]), ("mfu", [1, 2, 3, 4, 5, 6]),
+                       ("tokens_per_second", [1, 2, 3, 4, 5, 6]), ("eval_loss", [3, 6]), ("eval_accuracy", [3, 6])):
         logged = {r["step"]: r[key] for r in records if key in r}
         assert list(logged) == steps, key
         assert scalars[key] == {step: float(np.float32(value)) for step, value in logged.items()}, key
+
+
+def test_trackers_get_the_hyperparameters_once_as_one_flat_mapping(tiny_model, easy_data, hf_home, tmp_path):
+    """accelerate's tensorboard tracker stores what it is given in hparams.yml: the resolved recipe, flat."""
+    import yaml
+
+    from framework.config import to_dict
+    from framework.report import hyperparameters
+
+    out = tmp_path / "out"
+    args = tiny_args(tiny_model, easy_data, out, "train.max_steps=2", "report_to=[tensorboard]")
+    assert run_main(args, hf_home) == 0
+    (stored,) = list(out.rglob("hparams.yml"))
+    hparams = yaml.safe_load(stored.read_text())
+    assert hparams == hyperparameters(to_dict(load_config(args[1], args[2:])))
+    assert hparams["optim.lr"] == 1e-3 and hparams["train.max_steps"] == 2 and hparams["data.eval_file"] is None
+    assert hparams["report_to"] == '["tensorboard"]' and hparams["optim.betas"] == "[0.9, 0.999]"
+    assert all(isinstance(v, (bool, int, float, str, type(None))) for v in hparams.values())

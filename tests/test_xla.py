@@ -199,3 +199,19 @@ def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_
     proc = cli(tiny_args(tiny_model, easy_data, tmp_path / "qlora", *lora, "peft.quantize=4bit"), check=False)
     assert proc.returncode == 2 and "peft.quantize: 4-bit weights need bitsandbytes kernels" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(cli, tiny_model, easy_data, tmp_path):
+    """torch_xla's profiler traces steps 2 to 3: its Chrome trace names the executed graphs' HLO ops (the
+    embedding's gather, the layers' dot products). The XLA CPU device has no peak figure: no MFU, said once."""
+    import gzip
+
+    out = tmp_path / "out"
+    proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=5", "train.profile_steps=[2,3]"))
+    (trace,) = (out / "profile").rglob("*.trace.json.gz")
+    assert f"profile of steps 2-3 written to {trace}" in proc.stdout + proc.stderr
+    names = {e.get("name", "") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert any(n.startswith("gather") for n in names) and any(n.startswith("dot") or "fusion" in n for n in names)
+    assert any("ExecuteComputation" in n for n in names)  # the device executing the step's graph
+    assert proc.stdout.count("no peak FLOP/s known for cpu") == 1
+    assert summary(out)["mfu"] is None and not any("mfu" in r for r in read_metrics(out))

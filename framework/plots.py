@@ -1,0 +1,127 @@
+"""PNG figures of runs, drawn with matplotlib's Agg canvas (no display needed): the curves of one run or of
+several overlaid, its memory (planned against measured) and where its time went.
+
+matplotlib is imported inside the functions: a run that writes no report never pays for the import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+MIB = 2**20
+# Panels of the curves figure: title, then (metrics.jsonl key, label, line style) drawn in it. Each further eval
+# metric of the task (accuracy, f1, perplexity, ...) gets a panel of its own after the loss and learning rate.
+FIXED_PANELS = [
+    ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "--o")]),
+    ("learning rate", [("lr", "lr", "-")]),
+]
+SPEED_PANELS = [
+    ("tokens / s", [("tokens_per_second", "tokens/s", "-")]),
+    ("samples / s", [("samples_per_second", "samples/s", "-")]),
+    ("MFU (%)", [("mfu", "MFU", "-")]),
+]
+SCALE = {"mfu": 100.0}  # shown as a percentage
+COUNTS = {"eval_loss", "eval_examples", "eval_tokens"}  # no panel of their own: the loss has one, counts are no curve
+
+
+def _figure(panels: int, width: float = 4.2, height: float = 2.9, left: float = 0.6):
+    """A grid of ``panels`` axes, at most 4 a row; margins fixed in inches (a layout engine doubles the drawing
+    time). ``left``: room for the tick labels of the first column."""
+    from matplotlib.figure import Figure
+
+    cols = min(panels, 4)
+    rows = -(-panels // cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=90)
+    w, h = width * cols, height * rows
+    fig.subplots_adjust(left=left / w, right=1 - 0.15 / w, bottom=0.5 / h, top=1 - 0.35 / h, wspace=0.28,
+                        hspace=0.55)
+    axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    return fig, axes[:panels]
+
+
+def _panels(runs: Dict[str, List[dict]]) -> List[Tuple[str, list]]:
+    """The panels that have data in at least one run."""
+    keys = {k for records in runs.values() for r in records for k in r}
+    metrics = sorted(k for k in keys if k.startswith("eval_") and k not in COUNTS)
+    candidates = FIXED_PANELS + [(m[len("eval_"):], [(m, "eval", "-o")]) for m in metrics] + SPEED_PANELS
+    return [(title, lines) for title, lines in candidates if any(key in keys for key, _, _ in lines)]
+
+
+def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:
+    """The metrics.jsonl records of one run (or several, overlaid with a colour each) against the optimizer
+    step, one panel per quantity; None (nothing written) while there is nothing to draw."""
+    panels = _panels(runs)
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    colours = [f"C{i}" for i in range(len(runs))]
+    for ax, (title, lines) in zip(axes, panels):
+        for (name, records), colour in zip(runs.items(), colours):
+            for key, label, style in lines:
+                points = [(r["step"], r[key] * SCALE.get(key, 1.0)) for r in records
+                          if isinstance(r.get(key), (int, float))]
+                if points:
+                    steps, values = zip(*points)
+                    shown = label if len(runs) == 1 else f"{name} ({label})" if len(lines) > 1 else name
+                    ax.plot(steps, values, style, color=colour, label=shown, markersize=3, linewidth=1.4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(runs) > 1 or len(lines) > 1:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def memory(plan: Dict[str, object], measured: Optional[Dict[str, int]], path: Path) -> Path:
+    """Per-device memory: the plan's parts (estimated before training) next to what the run held."""
+    parts = [("weights", "weight_bytes"), ("gradients", "gradient_bytes"), ("optimizer state", "optimizer_state_bytes"),
+             ("activations", "activation_bytes"), ("logits", "logit_bytes")]
+    labels = [label for label, key in parts if plan.get(key) or (measured or {}).get(key)] + ["total / peak"]
+    planned = [(plan.get(key) or 0) / MIB for label, key in parts if label in labels] + [plan["total_bytes"] / MIB]
+    held = [((measured or {}).get(key) or 0) / MIB for label, key in parts if label in labels]
+    held.append(((measured or {}).get("peak_bytes") or 0) / MIB)
+    fig, (ax,) = _figure(1, width=7.0, height=3.2, left=1.3)
+    rows = range(len(labels))
+    ax.barh([y + 0.2 for y in rows], planned, height=0.4, color="C0", label="plan (estimate)")
+    if measured:
+        ax.barh([y - 0.2 for y in rows], held, height=0.4, color="C1", label="measured (peak: process or allocator)")
+    for y, (a, b) in enumerate(zip(planned, held)):
+        ax.text(a, y + 0.2, f" {a:.0f}", va="center", fontsize=7)
+        if measured:
+            ax.text(b, y - 0.2, f" {b:.0f}", va="center", fontsize=7)
+    ax.set_yticks(list(rows), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(planned + held) * 1.15)
+    ax.set_xlabel("MiB per device")
+    ax.set_title("memory")
+    ax.legend(fontsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def time_breakdown(seconds: Dict[str, float], path: Path) -> Path:
+    """Where the wall time went, one bar per part, labelled with its seconds and share."""
+    fig, (ax,) = _figure(1, width=7.0, height=2.8, left=1.0)
+    names = list(seconds)
+    total = sum(seconds.values()) or 1.0
+    ax.barh(names, [seconds[n] for n in names], color=[f"C{i}" for i in range(len(names))])
+    for y, name in enumerate(names):
+        ax.text(seconds[name], y, f" {seconds[name]:.1f} s ({100 * seconds[name] / total:.0f}%)", va="center",
+                fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title("time")
+    ax.set_xlim(0, max(seconds.values() or [1.0]) * 1.35)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """Write under a temporary name, then rename: a reader never sees half an image."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp_{path.name}")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    return path
