@@ -585,9 +585,9 @@ def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
     precision = accelerator.mixed_precision
     if accelerator.device.type == "cpu":
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        size = flops.PROBE_SIZE
-        return flops.measure_matmul_peak(dtype), (f"measured: {str(dtype).replace('torch.', '')} {size}x{size} "
-                                                  f"matrix products, {torch.get_num_threads()} threads")
+        value, size = flops.measure_matmul_peak(dtype)
+        return value, (f"measured: {str(dtype).replace('torch.', '')} {size}x{size} matrix products, "
+                       f"{torch.get_num_threads()} threads")
     name = _device_name(accelerator)
     row = flops.chip(name)
     if precision == "no":  # fp32 products run on tensor cores as TF32 only when torch allows it

@@ -105,16 +105,23 @@ def table_peak(row: str, matmul_precision: str) -> Optional[float]:
     return None if value is None else value * 1e12
 
 
-PROBE_SIZE = 1024
+PROBE_SIZE = 1024  # the largest probe product; a slow dtype (bf16 without native support: 0.8 GFLOP/s here) gets smaller ones
 
 
-def measure_matmul_peak(dtype: torch.dtype, seconds: float = 0.3, size: int = PROBE_SIZE) -> float:
-    """FLOP/s of this process's square matrix products on the CPU, with its current threads: the best of
-    repeated timings of ``size`` x ``size`` products for about ``seconds``. A BLAS product this size runs near
-    what the cores can do, so it stands in for a peak no datasheet gives for this machine."""
+def measure_matmul_peak(dtype: torch.dtype, seconds: float = 0.3) -> tuple:
+    """(FLOP/s, size) of this process's square matrix products on the CPU with its current threads: the best of
+    repeated timings for about ``seconds``, at the largest size up to PROBE_SIZE whose product takes under 20 ms.
+    A BLAS product that size runs near what the cores can do (here 67 GFLOP/s at 1024 and 72 at 512, fp32, 2
+    threads), so it stands in for a peak no datasheet gives for this machine."""
     generator = torch.Generator().manual_seed(0)  # its own: the run's random state (dropout) stays untouched
-    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-    out = torch.mm(a, b)  # warm up: thread pool, packing buffers
+    size = 128
+    while True:
+        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        start = time.perf_counter()
+        out = torch.mm(a, b)  # also warms up: thread pool, packing buffers
+        if size >= PROBE_SIZE or time.perf_counter() - start > 0.02:
+            break
+        size *= 2
     flops = 2 * size ** 3
     best, deadline = 0.0, time.perf_counter() + seconds
     while True:
@@ -122,4 +129,4 @@ def measure_matmul_peak(dtype: torch.dtype, seconds: float = 0.3, size: int = PR
         torch.mm(a, b, out=out)
         best = max(best, flops / (time.perf_counter() - start))
         if time.perf_counter() >= deadline:
-            return best
+            return best, size

@@ -58,6 +58,7 @@ def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:
         return None
     fig, axes = _figure(len(panels))
     colours = [f"C{i}" for i in range(len(runs))]
+    last = max((r["step"] for records in runs.values() for r in records), default=1)
     for ax, (title, lines) in zip(axes, panels):
         for (name, records), colour in zip(runs.items(), colours):
             for key, label, style in lines:
@@ -68,6 +69,7 @@ def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:
                     shown = label if len(runs) == 1 else f"{name} ({label})" if len(lines) > 1 else name
                     ax.plot(steps, values, style, color=colour, label=shown, markersize=3, linewidth=1.4)
         ax.set_title(title)
+        ax.set_xlim(0, last * 1.03)  # every panel on the same steps, also one with a single evaluation
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if len(runs) > 1 or len(lines) > 1:

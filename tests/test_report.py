@@ -9,6 +9,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -248,8 +249,11 @@ def test_peak_figures_by_precision():
 def test_the_cpu_probe_measures_matrix_products():
     from framework.flops import measure_matmul_peak
 
-    fp32 = measure_matmul_peak(torch.float32, seconds=0.2)
-    assert 1e9 < fp32 < 1e14  # a GFLOP/s at least, and nothing a CPU cannot do
+    fp32, size = measure_matmul_peak(torch.float32, seconds=0.2)
+    assert 1e9 < fp32 < 1e14 and size == 1024  # a GFLOP/s at least, nothing a CPU cannot do; the largest size
+    start = time.perf_counter()
+    bf16, size = measure_matmul_peak(torch.bfloat16, seconds=0.2)
+    assert 0 < bf16 < 1e14 and time.perf_counter() - start < 3  # slow where bf16 is emulated, but short
 
 
 # ---------------------------------------------------------------- trackers and the progress bar
