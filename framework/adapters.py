@@ -35,9 +35,9 @@ def check(cfg, strategy: str) -> List[str]:
     if cfg.model.config is not None:
         problems.append("peft: adapters train on top of a pretrained model, but model.config builds a new one; set "
                         "model.name_or_path (e.g. the model/ folder of an earlier run) or remove the peft section")
-    if strategy in ("fsdp", "deepspeed"):
-        problems.append(f"peft: adapters run with one process or DDP (and on XLA), not with distributed.strategy "
-                        f"{strategy}; use distributed.strategy=ddp, or remove the peft section")
+    if strategy in ("fsdp", "deepspeed", "xla_fsdp"):
+        problems.append(f"peft: adapters run with one process or DDP (and on XLA with xla_spmd), not with "
+                        f"distributed.strategy {strategy}; use distributed.strategy=ddp, or remove the peft section")
     if p.quantize and cfg.backend == "xla":
         problems.append(NO_4BIT_ON_XLA)
     return problems

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from framework import adapters, device, profiling, report
+from framework import adapters, device, profiling, report, xla_spmd
 from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
 
@@ -283,7 +283,7 @@ class Preempted(Exception):
 # ---------------------------------------------------------------- model
 
 
-def save_model(accelerator: Accelerator, model, tokenizer, path: Path, merge: bool = False) -> None:
+def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: xla_spmd.Mesh, merge: bool = False) -> None:
     """``save_pretrained`` in safetensors with the tokenizer: loadable by ``transformers.pipeline``. An adapted
     model writes its adapter, and with ``merge`` the merged model too (``adapters.save``).
 
@@ -292,11 +292,11 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path, merge: bo
     renamed over ``path`` when complete. Other processes must not call ``save_pretrained``: it lists
     and creates the folder on every rank, which races with the main process's rename.
     """
-    state_dict = device.state_dict_for_save(accelerator, model)
+    state_dict = device.state_dict_for_save(accelerator, model, mesh)
     if accelerator.is_main_process:
         tmp = path.with_name(f".tmp_{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = device.unwrap(accelerator, model, mesh)
         if adapters.is_adapted(unwrapped):
             adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
         else:

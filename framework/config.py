@@ -273,9 +273,13 @@ class DeepSpeedConfig:
 
 @dataclass
 class DistributedConfig:
-    strategy: Literal["auto", "ddp", "fsdp", "deepspeed", "xla_spmd"] = "auto"
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed", "xla_spmd", "xla_fsdp"] = "auto"
     """How processes share the work; auto takes what the launch config sets up (DDP when several processes).
-    xla_spmd: one process drives every XLA device, each batch sharded over them on a data axis (SPMD)."""
+    xla_spmd: one process drives every XLA device, each batch sharded over them on a data axis (SPMD).
+    xla_fsdp: the same, with the parameters, gradients and optimizer state sharded over the mesh's fsdp axis."""
+    mesh: Optional[List[int]] = None
+    """xla_fsdp: the SPMD device mesh as [data, fsdp], devices along each axis (their product: every XLA device).
+    Parameters are sharded fsdp ways and replicated data ways; batches are split over all. Default [1, N]."""
     num_processes: Optional[int] = _bounded(None, gt=0)
     """The number of processes this recipe expects; the run refuses to start with any other number."""
     local_sgd_steps: Optional[int] = _bounded(None, gt=0)
@@ -636,6 +640,12 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
                             f"{', '.join(task.metric_names())}")
     problems += adapters.check(cfg, cfg.distributed.strategy)
+    mesh = cfg.distributed.mesh
+    if mesh is not None and (len(mesh) != 2 or min(mesh) < 1):
+        problems.append(f"distributed.mesh: {mesh} must be [data, fsdp], two positive device counts")
+    if mesh is not None and cfg.distributed.strategy != "xla_fsdp":
+        problems.append("distributed.mesh: only distributed.strategy=xla_fsdp takes a mesh (xla_spmd splits the batch "
+                        "over every device); remove it or set distributed.strategy=xla_fsdp")
     steps = cfg.train.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"train.profile_steps: {steps} must be [START, END] with 1 <= START <= END (optimizer steps)")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
+from framework import xla_spmd
 from framework.config import DistributedConfig, RunConfig
 from framework.errors import UserError
 
@@ -34,38 +35,6 @@ def select_backend(cfg: RunConfig) -> None:
     asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead."""
     if cfg.backend in ("cpu", "gpu"):
         os.environ["USE_TORCH_XLA"] = "0"
-
-
-# The SPMD device mesh (one 'data' axis over every XLA device) when distributed.strategy is xla_spmd.
-_spmd_mesh = None
-
-
-def _start_spmd() -> None:
-    """SPMD must be switched on before the XLA runtime starts, i.e. before the Accelerator exists."""
-    global _spmd_mesh
-    import numpy as np
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-
-    xr.use_spmd()
-    devices = xr.global_runtime_device_count()
-    _spmd_mesh = xs.Mesh(np.arange(devices), (devices, 1), ("data", "model"))
-
-
-def spmd_devices() -> int:
-    """Devices one process's batch is sharded over: all XLA devices under SPMD, else 1."""
-    return 1 if _spmd_mesh is None else int(_spmd_mesh.size())
-
-
-def shard_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Under SPMD, split every batch tensor over the devices along its first (batch) dimension; the
-    parameters stay replicated and the compiler adds the gradient all-reduce."""
-    if _spmd_mesh is not None:
-        import torch_xla.distributed.spmd as xs
-
-        for tensor in batch.values():
-            xs.mark_sharding(tensor, _spmd_mesh, ("data",) + (None,) * (tensor.dim() - 1))
-    return batch
 
 
 def has_xla() -> bool:
@@ -134,8 +103,8 @@ def check(cfg: RunConfig) -> None:
         if not any(importlib.util.find_spec(m) for m in ("transformer_engine", "torchao", "msamp")):
             raise UserError("precision: fp8 needs transformer_engine, torchao or msamp installed; "
                             "install one (e.g. `pip install torchao`) or use precision=bf16")
-    if strategy_ == "xla_spmd" and not (xla and has_xla()):
-        raise UserError(f"distributed.strategy: xla_spmd needs backend=xla and torch_xla; {XLA_INSTALL}")
+    if strategy_ in ("xla_spmd", "xla_fsdp") and not (xla and has_xla()):
+        raise UserError(f"distributed.strategy: {strategy_} needs backend=xla and torch_xla; {XLA_INSTALL}")
     if strategy_ in ("fsdp", "deepspeed") and (backend == "cpu" or not cuda):
         fix = ("use strategy=ddp or strategy=auto here" if strategy_ == cfg.distributed.strategy else
                "launch with a config without it here, e.g. --config_file accelerate_configs/cpu_ddp.yaml")
@@ -148,7 +117,7 @@ def check(cfg: RunConfig) -> None:
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
                         "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
-    if cfg.distributed.local_sgd_steps and (xla or strategy_ in ("fsdp", "deepspeed", "xla_spmd")):
+    if cfg.distributed.local_sgd_steps and (xla or strategy_ in ("fsdp", "deepspeed", "xla_spmd", "xla_fsdp")):
         where = "XLA" if xla else strategy_
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
                         "(only plain data parallel on CPUs and GPUs); remove the key or use strategy=ddp")
@@ -197,13 +166,13 @@ def _plugins(cfg: RunConfig) -> dict:
     return plugins
 
 
-def build_accelerator(cfg: RunConfig) -> Accelerator:
+def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
+    """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     check(cfg)
-    if cfg.distributed.strategy == "xla_spmd":
-        _start_spmd()
+    mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
     try:
         accelerator = Accelerator(
             cpu=cfg.backend == "cpu" or _auto_means_cpu(cfg),
@@ -231,7 +200,7 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     elif accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads(cfg)[0])
         _reuse_large_buffers()
-    return accelerator
+    return accelerator, mesh
 
 
 # glibc's mallopt parameters, and the mmap threshold while large buffers are reused (None: they are not).
@@ -336,14 +305,14 @@ def backend_name(accelerator: Accelerator) -> str:
     return "gpu" if accelerator.device.type == "cuda" else accelerator.device.type
 
 
-def strategy_name(accelerator: Accelerator) -> str:
+def strategy_name(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> str:
     kind = accelerator.distributed_type
     if kind == "FSDP":
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
     if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
-    if spmd_devices() > 1:
-        return f"xla spmd (batch sharded over {spmd_devices()} devices)"
+    if mesh.describe():
+        return mesh.describe()
     if accelerator.num_processes > 1:
         return "xla data parallel" if kind == "XLA" else "ddp"
     return "single process"
@@ -367,13 +336,13 @@ def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
     return said
 
 
-def describe(cfg: RunConfig, accelerator: Accelerator) -> Dict[str, object]:
+def describe(cfg: RunConfig, accelerator: Accelerator, mesh: xla_spmd.Mesh) -> Dict[str, object]:
     """What the run actually got, for the plan and summary.json."""
     return {
         "backend": backend_name(accelerator),
         "device": str(accelerator.device),
         "num_processes": accelerator.num_processes,
-        "strategy": strategy_name(accelerator),
+        "strategy": strategy_name(accelerator, mesh),
         "precision": accelerator.mixed_precision,
         "cpu_threads": _threads_said(cfg, accelerator),
     }
@@ -433,10 +402,18 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     return model
 
 
-def for_generation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> torch.nn.Module:
+    """The model without accelerate's wrappers (DDP, ...) nor the XLA FSDP wrapper."""
+    return mesh.unwrap(accelerator.unwrap_model(model))
+
+
+def for_generation(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> torch.nn.Module:
     """The model to generate a short sample with, once training is over. On XLA the model moves to the host
     CPU: generating token by token makes a new shape, so a new compiled graph, per token (minutes even for a
-    tiny model). Call it last: on XLA the model is on the CPU afterwards."""
+    tiny model); a sharded model is copied there whole. Call it last: on XLA the model is on the CPU afterwards."""
+    if mesh.shard_parameters:
+        return mesh.host_model(accelerator.unwrap_model(model))
+    model = unwrap(accelerator, model, mesh)
     return model.to("cpu") if _on_xla(accelerator) else model
 
 
@@ -482,8 +459,11 @@ def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) 
 
 def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
     """Device tensors as NumPy arrays after a single sync (on XLA, joining them on the device would
-    compile yet another graph)."""
+    compile yet another graph; a tensor sharded under SPMD is assembled from its shards, since its ``.cpu()``
+    compiles a graph every time)."""
     _run_pending_graph(accelerator)
+    if _on_xla(accelerator):
+        return [xla_spmd.on_host(t).numpy() for t in tensors]
     return [t.cpu().numpy() for t in tensors]
 
 
@@ -558,9 +538,13 @@ class CompileWatch:
         return None
 
 
-def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
+                        mesh: xla_spmd.Mesh) -> Dict[str, torch.Tensor]:
     """The full state dict, on the CPU. Every process must call it (FSDP and DeepSpeed gather collectively);
-    XLA tensors must come to the host before safetensors can write them."""
+    XLA tensors must come to the host before safetensors can write them (sharded ones assembled from their
+    shards)."""
+    if mesh.shard_parameters:
+        return mesh.state_dict(accelerator.unwrap_model(model))
     state_dict = accelerator.get_state_dict(model)
     if _on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
@@ -572,8 +556,16 @@ def _device_name(accelerator: Accelerator) -> str:
     if accelerator.device.type == "cuda":
         return torch.cuda.get_device_name(accelerator.device)
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
-    return xm.xla_device_kind(accelerator.device)
+    try:
+        return xm.xla_device_kind(accelerator.device)
+    except RuntimeError:  # SPMD's one virtual device has no kind: the runtime's devices do
+        if xr.device_type() == "TPU":
+            import torch_xla.tpu
+
+            return f"TPU {torch_xla.tpu.get_tpu_type()}"  # v4, v5litepod, v5p, v6e
+        return xr.device_type()
 
 
 def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
@@ -591,7 +583,8 @@ def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
     name = _device_name(accelerator)
     row = flops.chip(name)
     if precision == "no":  # fp32 products run on tensor cores as TF32 only when torch allows it
-        precision = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        tf32 = accelerator.device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32"
+        precision = "tf32" if tf32 else "fp32"
     value = flops.table_peak(row, precision) if row else None
     if value is None:
         return None, f"no peak FLOP/s known for {name} in {precision} (framework/flops.py PEAK_TFLOPS): no MFU"

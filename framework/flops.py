@@ -90,7 +90,8 @@ def chip(device_name: str) -> Optional[str]:
     for row in ("A100", "H200", "B200"):
         if row.lower() in name:
             return row
-    tpu = {"tpu v4": "TPU v4", "tpu v5 lite": "TPU v5e", "tpu v5e": "TPU v5e", "tpu v5p": "TPU v5p",
+    tpu = {"tpu v4": "TPU v4", "tpu v5 lite": "TPU v5e", "tpu v5e": "TPU v5e", "tpu v5litepod": "TPU v5e",
+           "tpu v5p": "TPU v5p",
            "tpu v5": "TPU v5p", "tpu v6 lite": "TPU v6e", "tpu v6e": "TPU v6e"}
     for kind, row in tpu.items():  # the longer names first: "tpu v5 lite" before "tpu v5"
         if name.startswith(kind):

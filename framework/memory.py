@@ -10,7 +10,7 @@ floor for the peak, good for seeing which part dominates and whether a run canno
 from __future__ import annotations
 
 import math
-from typing import Dict, FrozenSet, Iterable, Optional
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional
 
 import torch
 
@@ -51,17 +51,25 @@ def weight_bytes(p: torch.Tensor) -> int:
     return _tensor_bytes(p) + sum(_tensor_bytes(t) for t in scales)
 
 
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer's own state tensors (moments, quantization scales, ...), each once: a tensor shared by
+    several parameters (bitsandbytes' quantization maps) is one."""
+    return list({id(v): v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}.values())
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's own state tensors (moments, quantization scales, ...). A tensor shared by
-    several parameters (bitsandbytes' quantization maps) counts once."""
-    tensors = {id(v): v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}
-    return sum(_tensor_bytes(t) for t in tensors.values())
+    """Bytes held by the optimizer's own state tensors."""
+    return sum(_tensor_bytes(t) for t in _optimizer_state_tensors(optimizer))
 
 
-def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_bytes: int) -> Dict[str, int]:
+def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_bytes: int,
+             held: Optional[Callable[[Iterable[torch.Tensor]], int]] = None) -> Dict[str, object]:
+    """What the run held: parameter counts, the bytes of the weights, gradients (one per trainable weight) and
+    optimizer state, all unsharded, and the peak. ``held``: where the states are sharded, the bytes one device
+    holds of some tensors, read from their shards; then ``per_device`` has those figures too."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    return {
+    result = {
         "parameters": sum(parameter_count(p) for p in params),
         "trainable_parameters": sum(p.numel() for p in trainable),
         "weight_bytes": sum(weight_bytes(p) for p in params),
@@ -69,6 +77,10 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_byte
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "peak_bytes": peak_bytes,
     }
+    if held is not None:
+        result["per_device"] = {"weight_bytes": held(params),
+                                "optimizer_state_bytes": held(_optimizer_state_tensors(optimizer))}
+    return result
 
 
 # ---------------------------------------------------------------- the plan
@@ -102,6 +114,8 @@ def sharded_states(distributed: DistributedConfig) -> FrozenSet[str]:
         return ZERO_SHARDED[distributed.deepspeed.zero_stage]
     if distributed.strategy == "fsdp":
         return FSDP_SHARDED[distributed.fsdp.sharding_strategy]
+    if distributed.strategy == "xla_fsdp":
+        return frozenset(STATES)
     return frozenset()
 
 
@@ -154,11 +168,11 @@ def logit_estimate(model_config: object, batch_size: int, seq_length: int) -> in
     return 2 * 4 * batch_size * seq_length * getattr(model_config, "vocab_size", 0)
 
 
-def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
+def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
          distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
          token_logits: bool = False) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
-    sharding over ``num_processes``, activations for a full ``train.batch_size`` x ``seq_length`` batch (default
+    sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
     ``data.max_length``), with ``token_logits`` (language models) the logits of every token, and their total
     on the device (offloaded states excluded). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
@@ -179,7 +193,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
         "optimizer_state": optimizer_state_estimate(trainable, cfg.optim) + (4 * trainable_count if half_copies else 0),
     }
     sharded, offloaded = sharded_states(distributed), offloaded_states(distributed)
-    per_device = {k: math.ceil(v / num_processes) if k in sharded else v for k, v in full.items()}
+    per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
     checkpointing = cfg.train.gradient_checkpointing or (distributed.strategy == "fsdp"
                                                          and distributed.fsdp.activation_checkpointing)
     seq_length = seq_length or cfg.data.max_length
@@ -193,7 +207,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
         "trainable_parameters": trainable_count,
         "optimizer": cfg.optim.name,
         "precision": cfg.precision,
-        "num_processes": num_processes,
+        "shards": shards,
         "sharded": sorted(sharded),
         "offloaded": sorted(offloaded),
         "batch_size": cfg.train.batch_size,
@@ -211,7 +225,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, num_processes: int,
 def format_plan(plan: Dict[str, object]) -> str:
     """A short block for the run plan, in MiB."""
     def where(state: str) -> str:
-        notes = [f"sharded over {plan['num_processes']}"] if state in plan["sharded"] else []
+        notes = [f"sharded over {plan['shards']} devices"] if state in plan["sharded"] else []
         notes += ["on the host"] if state in plan["offloaded"] else []
         return f" ({', '.join(notes)})" if notes else ""
 

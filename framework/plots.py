@@ -78,7 +78,9 @@ def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:
 
 
 def memory(plan: Dict[str, object], measured: Optional[Dict[str, int]], path: Path) -> Path:
-    """Per-device memory: the plan's parts (estimated before training) next to what the run held."""
+    """Per-device memory: the plan's parts (estimated before training) next to what the run held (per device
+    where the run read its shards)."""
+    measured = {**measured, **measured.get("per_device", {})} if measured else measured
     parts = [("weights", "weight_bytes"), ("gradients", "gradient_bytes"), ("optimizer state", "optimizer_state_bytes"),
              ("activations", "activation_bytes"), ("logits", "logit_bytes")]
     labels = [label for label, key in parts if plan.get(key) or (measured or {}).get(key)] + ["total / peak"]

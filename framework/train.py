@@ -17,7 +17,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import adapters, checkpoint, data, device, flops, hub, memory, report, streaming
+from framework import adapters, checkpoint, data, device, flops, hub, memory, report, streaming, xla_spmd
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -63,21 +63,22 @@ class Run:
     compile_watch: device.CompileWatch
     start: checkpoint.StartPoint
     memory_plan: Dict[str, object]
+    mesh: xla_spmd.Mesh  # the devices one process drives under SPMD (one otherwise)
     model_flops: flops.ModelFlops
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
     clock: Clock
 
 
-def eval_rows(cfg: RunConfig) -> int:
+def eval_rows(cfg: RunConfig, mesh: xla_spmd.Mesh) -> int:
     """Rows per eval batch; under SPMD one process feeds every device, so its batch holds all of theirs."""
-    return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * device.spmd_devices()
+    return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * mesh.devices
 
 
-def load_model_and_data(cfg: RunConfig, task: Task):
+def load_model_and_data(cfg: RunConfig, task: Task, mesh: xla_spmd.Mesh):
     """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
     (or built), and the rows prepared by the task; at most ``eval.batches`` eval batches. A stream's training
     features are made later, per process (None here). Seed first: a new model or head draws from the global RNG."""
-    rows = eval_rows(cfg)
+    rows = eval_rows(cfg, mesh)
     if cfg.data.streaming:
         streaming.check_sources(cfg, task.columns(cfg))
         model, tokenizer = task.load(cfg, None, None)
@@ -105,18 +106,18 @@ def setup(cfg: RunConfig) -> Run:
     if problems:
         raise UserError(problems[0])
 
-    accelerator = device.build_accelerator(cfg)
+    accelerator, mesh = device.build_accelerator(cfg)
     if start.resume_from is not None:
-        checkpoint.check_devices(start.resume_from, accelerator.num_processes * device.spmd_devices())
+        checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
     set_seed(cfg.seed)
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
-    replicas = accelerator.num_processes * device.spmd_devices()
-    loader_batch = t.batch_size * device.spmd_devices()
+    replicas = accelerator.num_processes * mesh.devices
+    loader_batch = t.batch_size * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
-        model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task)
+        model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task, mesh)
     eval_ds = data.longest_first(eval_ds)
     model = adapters.apply(model, cfg, accelerator.device.type)
 
@@ -140,7 +141,7 @@ def setup(cfg: RunConfig) -> Run:
                               sampler=sampler, shuffle=sampler is None, num_workers=cfg.data.num_workers,
                               generator=torch.Generator().manual_seed(cfg.seed))
     # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
-    rows = eval_rows(cfg)
+    rows = eval_rows(cfg, mesh)
     eval_collate = task.collator(tokenizer, cfg, buckets[-1:] if buckets else None, rows=rows if buckets else None)
     # Its own generator too: iterating a loader draws a seed, which would otherwise come from the global RNG
     # and shift dropout after every evaluation (evaluating more or less often must not change training).
@@ -153,12 +154,14 @@ def setup(cfg: RunConfig) -> Run:
         # Non-reentrant: works with frozen inputs and keeps the RNG state, so results match without it.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = device.place_model(accelerator, model)
-    optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
     seq_length = task.sequence_length(cfg, model)
-    memory_plan = memory.plan(model, cfg, accelerator.num_processes, seq_length=seq_length,
-                              token_logits=task.token_logits)  # before prepare() shards anything
+    # Before anything shards the model: the plan divides what the strategy shards by its shard count.
+    shards = mesh.parameter_shards if mesh.shard_parameters else accelerator.num_processes
+    memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits)
     model_flops = flops.model_flops(model)
     peak, peak_source = device.peak_flops(accelerator)
+    model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters
+    optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
     if train_ds is None:
         model, optimizer, eval_dl = accelerator.prepare(model, optimizer, eval_dl)
         steps_per_epoch, total_steps = None, t.max_steps
@@ -167,9 +170,11 @@ def setup(cfg: RunConfig) -> Run:
         steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
         total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
+    mesh.attach(accelerator, optimizer)
+    train_dl, eval_dl = mesh.shard_loader(train_dl), mesh.shard_loader(eval_dl)
 
     plan = {
-        **device.describe(cfg, accelerator),
+        **device.describe(cfg, accelerator, mesh),
         "per_device_batch": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "effective_batch": per_step,
@@ -191,7 +196,7 @@ def setup(cfg: RunConfig) -> Run:
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, model_flops, peak * replicas if peak else None, Clock())
+               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock())
 
 
 @dataclass
@@ -341,7 +346,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     else:
         micro_per_epoch = run.steps_per_epoch * accum
         done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
-        batches = acc.skip_first_batches(run.train_dl, done) if done else run.train_dl
+        batches = run.mesh.shard_loader(acc.skip_first_batches(run.train_dl, done)) if done else run.train_dl
         # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
         # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
         batches.set_epoch(state.epoch)
@@ -351,7 +356,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     for micro, batch in enumerate(run.clock.timed(batches), start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
             break
-        step_batches.append(device.shard_batch(batch))
+        step_batches.append(run.mesh.shard_batch(batch))
         if len(step_batches) < accum:
             continue
         with profiler.step(state.step + 1):
@@ -402,7 +407,7 @@ def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.totals()[0])
     loader_state = run.train_dl.state_dict() if run.steps_per_epoch is None else None
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
-                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * device.spmd_devices(),
+                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * run.mesh.devices,
                     loader_state=loader_state)
 
 
@@ -449,7 +454,8 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
 
 def _save_model(run: Run) -> None:
     merge = run.cfg.peft is not None and run.cfg.peft.merge
-    checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model", merge)
+    checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model", run.mesh,
+                          merge)
 
 
 def evaluate(run: Run) -> Dict[str, float]:
@@ -461,7 +467,7 @@ def evaluate(run: Run) -> Dict[str, float]:
     parts = defaultdict(list)
     with torch.no_grad(), device.large_buffers_unmapped():
         for batch in run.eval_dl:
-            batch = device.shard_batch(batch)
+            batch = run.mesh.shard_batch(batch)
             valid = batch.pop("valid", None)
             outputs = run.task.eval_outputs(model, batch)
             if valid is not None:
@@ -556,8 +562,8 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         "device": run.plan["device"],
         "num_processes": acc.num_processes,
         "precision": acc.mixed_precision,
-        "memory": memory.measured(acc.unwrap_model(run.model), run.optimizer.optimizer,
-                                  device.peak_memory_bytes(acc)),
+        "memory": memory.measured(device.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
+                                  device.peak_memory_bytes(acc), held=run.mesh.held_bytes),
         "memory_plan": run.memory_plan,
         "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
         "flops": {"trained": model_flops, "per_second": model_flops / fit_seconds,
@@ -572,7 +578,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
                           "transfers_in_steps": run.compile_watch.transfers_in_steps}
     # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
     # collectives together; on XLA on the host CPU (device.for_generation), after the XLA figures.
-    sample = run.task.sample(device.for_generation(acc, acc.unwrap_model(run.model)), run.tokenizer, cfg,
+    sample = run.task.sample(device.for_generation(acc, run.model, run.mesh), run.tokenizer, cfg,
                              run.eval_dl.dataset)
     if sample is not None:
         summary["sample"] = sample

@@ -133,3 +133,16 @@ def test_labels_need_two_classes(base):
 
 def test_section_must_be_mapping(base):
     assert "train must be a mapping" in problems(base, ["train=3"])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["distributed.mesh=[2,2]"], "distributed.mesh: only distributed.strategy=xla_fsdp takes a mesh"),
+    (["distributed.strategy=xla_fsdp", "distributed.mesh=[4]"], "distributed.mesh: [4] must be [data, fsdp]"),
+    (["distributed.strategy=xla_fsdp", "distributed.mesh=[0,4]"], "distributed.mesh: [0, 4] must be [data, fsdp]"),
+    (["train.profile_steps=[5,3]"], "train.profile_steps: [5, 3] must be [START, END] with 1 <= START <= END"),
+    (["train.profile_steps=[0,3]"], "train.profile_steps: [0, 3] must be [START, END]"),
+    (["report_to=[tensorbord]"], "report_to: 'tensorbord' is not a tracker; use any of tensorboard, wandb, mlflow"),
+    (["report.every_minutes=0"], "report.every_minutes: 0.0 is out of range; it must be > 0"),
+])
+def test_mesh_profile_and_report_keys(base, overrides, expected):
+    assert expected in problems(base, overrides)

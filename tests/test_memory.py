@@ -51,7 +51,7 @@ def recipe(**optim) -> RunConfig:
 
 @pytest.mark.parametrize("name", list(STATE))
 def test_single_device_plan_by_hand(name):
-    plan = memory.plan(small_model(), recipe(name=name), num_processes=1)
+    plan = memory.plan(small_model(), recipe(name=name), shards=1)
     assert (plan["parameters"], plan["trainable_parameters"]) == (PARAMS, PARAMS)
     assert (plan["weight_bytes"], plan["gradient_bytes"]) == (4 * PARAMS, 4 * PARAMS)
     assert plan["optimizer_state_bytes"] == STATE[name]
@@ -76,7 +76,7 @@ def test_zero2_shards_gradients_and_state_over_4():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="deepspeed")
     cfg.distributed.deepspeed.zero_stage = 2
-    plan = memory.plan(small_model(), cfg, num_processes=4)
+    plan = memory.plan(small_model(), cfg, shards=4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 9092, 18184)
     assert plan["sharded"] == ["gradients", "optimizer_state"]
 
@@ -85,7 +85,7 @@ def test_zero2_bf16_keeps_16_bit_copies_and_an_fp32_master():
     cfg = recipe()
     cfg.precision = "bf16"
     cfg.distributed = DistributedConfig(strategy="deepspeed")
-    plan = memory.plan(small_model(), cfg, num_processes=4)
+    plan = memory.plan(small_model(), cfg, shards=4)
     # weights 2 bytes; gradients 2 bytes / 4; Adam moments 8 + master weights 4 bytes, / 4
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (18184, 4546, 27276)
 
@@ -93,7 +93,7 @@ def test_zero2_bf16_keeps_16_bit_copies_and_an_fp32_master():
 def test_fsdp_full_shard_divides_everything_by_4():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="fsdp")
-    plan = memory.plan(small_model(), cfg, num_processes=4)
+    plan = memory.plan(small_model(), cfg, shards=4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (9092, 9092, 18184)
     assert plan["total_bytes"] == 9092 + 9092 + 18184
 
@@ -101,7 +101,7 @@ def test_fsdp_full_shard_divides_everything_by_4():
 def test_ddp_replicates_everything():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="ddp")
-    plan = memory.plan(small_model(), cfg, num_processes=4)
+    plan = memory.plan(small_model(), cfg, shards=4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 36368, 72736)
 
 
@@ -122,12 +122,12 @@ def test_offloaded_states_leave_the_device_total():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="deepspeed")
     cfg.distributed.deepspeed.offload_optimizer = "cpu"
-    plan = memory.plan(small_model(), cfg, num_processes=4)
+    plan = memory.plan(small_model(), cfg, shards=4)
     assert plan["offloaded"] == ["optimizer_state"]
     assert plan["total_bytes"] == 36368 + 9092
     cfg.distributed = DistributedConfig(strategy="fsdp")
     cfg.distributed.fsdp.offload_params = True
-    assert memory.plan(small_model(), cfg, num_processes=4)["total_bytes"] == 0
+    assert memory.plan(small_model(), cfg, shards=4)["total_bytes"] == 0
 
 
 def test_the_launch_layout_overrides_the_recipe():
@@ -216,8 +216,8 @@ def test_format_plan_is_short_and_in_mib():
     text = memory.format_plan(memory.plan(tiny_bert(), cfg, 4))
     lines = text.splitlines()
     assert lines[0].startswith("memory plan per device") and len(lines) == 7
-    assert "gradients: " in text and "(sharded over 4)" in lines[3]
-    assert "optimizer state (adamw): " in lines[4] and "(sharded over 4, on the host)" in lines[4]
+    assert "gradients: " in text and "(sharded over 4 devices)" in lines[3]
+    assert "optimizer state (adamw): " in lines[4] and "(sharded over 4 devices, on the host)" in lines[4]
     assert "activations: " in lines[5] and "batch 32 x 128 tokens" in lines[5]
     assert lines[6].startswith("  total on the device: ") and lines[6].endswith(" MiB")
     assert "unknown" in memory.format_plan(memory.plan(small_model(), recipe(), 1))

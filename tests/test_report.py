@@ -228,7 +228,7 @@ def test_the_window_counts_real_tokens_and_their_context(hf_home):
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA H200", "H200"),
     ("NVIDIA B200", "B200"), ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5e"), ("TPU v5", "TPU v5p"),
-    ("TPU v5p", "TPU v5p"), ("TPU v6 lite", "TPU v6e"), ("NVIDIA L4", None), ("CPU", None),
+    ("TPU v5p", "TPU v5p"), ("TPU v5litepod", "TPU v5e"), ("TPU v6 lite", "TPU v6e"), ("NVIDIA L4", None), ("CPU", None),
 ])
 def test_device_names_map_to_their_peak_rows(name, row):
     from framework.flops import chip

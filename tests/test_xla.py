@@ -215,3 +215,90 @@ def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(cli, tiny_mode
     assert any("ExecuteComputation" in n for n in names)  # the device executing the step's graph
     assert proc.stdout.count("no peak FLOP/s known for cpu") == 1
     assert summary(out)["mfu"] is None and not any("mfu" in r for r in read_metrics(out))
+
+
+# ---------------------------------------------------------------- parameters sharded over devices (XLA FSDP)
+
+FSDP_COMMON = ["train.max_steps=6", "optim.lr=3e-3", "train.log_every=1"]
+
+
+def per_device_fraction(out: Path) -> tuple:
+    """The share of the weights and of the optimizer state the first device holds, read from the shards."""
+    memory = summary(out)["memory"]
+    held = memory["per_device"]
+    return held["weight_bytes"] / memory["weight_bytes"], held["optimizer_state_bytes"] / memory["optimizer_state_bytes"]
+
+
+def test_xla_fsdp_over_four_devices_equals_one_device_with_a_quarter_on_each(cli, tiny_model, easy_data, tmp_path,
+                                                                             monkeypatch):
+    """distributed.strategy=xla_fsdp on 4 virtual CPU devices (the default [1, 4] mesh) against one device with
+    the whole batch: the same losses, weights and evaluation; each device holds a quarter of the weights and of
+    AdamW's state (a little more: the devices do not divide every dimension, and the shards are padded)."""
+    from transformers import pipeline
+
+    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
+    cli(tiny_args(tiny_model, easy_data, single, *FSDP_COMMON, "train.batch_size=8", "train.eval_batch_size=12"))
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    proc = cli(tiny_args(tiny_model, easy_data, fsdp, *FSDP_COMMON, "train.batch_size=2", "train.eval_batch_size=3",
+                         "distributed.strategy=xla_fsdp"))
+    assert ("strategy: xla fsdp (parameters, gradients and optimizer state sharded over 4 devices, batch over 4; "
+            "mesh data 1 x fsdp 4)") in proc.stdout
+    assert "optimizer state (adamw): 0.0 MiB (sharded over 4 devices)" in proc.stdout  # the plan per device
+    torch.testing.assert_close(torch.tensor(train_losses(fsdp)), torch.tensor(train_losses(single)), rtol=1e-5,
+                               atol=1e-6)
+    wa, wb = load_file(fsdp / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()  # the model's own names: no wrapper prefix
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert summary(fsdp)["eval"] == pytest.approx(summary(single)["eval"], rel=1e-5)
+    weights, state = per_device_fraction(fsdp)
+    assert 0.25 <= weights < 0.26 and 0.25 <= state < 0.26, (weights, state)
+    assert "per_device" not in summary(single)["memory"]
+    classify = pipeline("text-classification", model=str(fsdp / "model"), device="cpu")
+    assert classify("the movie was great")[0]["label"] in ("pos", "neg")
+    # Compiled once: the 6 steps and the evaluation reuse their graphs (as on one device), nothing in the steps
+    # reads the device.
+    xla = summary(fsdp)["xla"]
+    assert xla["compiles"] <= summary(single)["xla"]["compiles"] + 2 and xla["transfers_in_steps"] == 0, xla
+
+
+def test_xla_fsdp_on_a_2x2_mesh_equals_one_device_with_half_on_each(cli, tiny_model, easy_data, tmp_path,
+                                                                    monkeypatch):
+    """distributed.mesh=[2,2]: 2 replicas (data) of parameters sharded 2 ways (fsdp), the batch over all 4."""
+    single, mesh = tmp_path / "single", tmp_path / "mesh"
+    cli(tiny_args(tiny_model, easy_data, single, *FSDP_COMMON, "train.batch_size=8", "train.eval_batch_size=12"))
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    proc = cli(tiny_args(tiny_model, easy_data, mesh, *FSDP_COMMON, "train.batch_size=2", "train.eval_batch_size=3",
+                         "distributed.strategy=xla_fsdp", "distributed.mesh=[2,2]"))
+    assert "sharded over 2 devices, batch over 4; mesh data 2 x fsdp 2" in proc.stdout
+    torch.testing.assert_close(torch.tensor(train_losses(mesh)), torch.tensor(train_losses(single)), rtol=1e-5,
+                               atol=1e-6)
+    weights, state = per_device_fraction(mesh)
+    assert 0.5 <= weights < 0.51 and 0.5 <= state < 0.51, (weights, state)
+    bad = cli(tiny_args(tiny_model, easy_data, tmp_path / "bad", "distributed.strategy=xla_fsdp",
+                        "distributed.mesh=[3,2]"), check=False)
+    assert bad.returncode == 2 and "distributed.mesh: [3, 2] covers 6 devices, but there are 4" in bad.stderr
+
+
+def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(cli, tiny_model, easy_data, hf_home, tmp_path,
+                                                                    monkeypatch):
+    """Checkpoints of a sharded run hold the whole weights and optimizer state (assembled from the shards); a run
+    killed after step 4's checkpoint resumes, shards again, and ends with the uninterrupted run's weights."""
+    from test_checkpoint import assert_bitwise_equal_models, crash_then_resume
+
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    common = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.batch_size=2",
+              "distributed.strategy=xla_fsdp"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cli(tiny_args(tiny_model, easy_data, whole, *common))
+    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *common), kill_at_micro=6)
+    assert "resuming from" in proc.stdout and "step_4" in proc.stdout
+    assert summary(resumed)["train"]["resumed_from_step"] == 4
+    assert_bitwise_equal_models(whole, resumed)
+    assert train_losses(resumed) == train_losses(whole)
+    weights, state = per_device_fraction(resumed)  # sharded again after the resume, optimizer state too
+    assert weights < 0.26 and state < 0.26, (weights, state)
+    # The checkpoint holds whole tensors under the wrapper's names: its own format, loaded by the same strategy.
+    saved = torch.load(resumed / "checkpoints" / "step_8" / "pytorch_model.bin", map_location="cpu")
+    assert any(name.endswith("word_embeddings.weight") for name in saved)
+    assert all(t.shape == saved[name].shape for name, t in saved.items())
