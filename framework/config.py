@@ -285,6 +285,10 @@ class DistributedConfig:
     local_sgd_steps: Optional[int] = _bounded(None, gt=0)
     """Local SGD: each process steps on its own gradients and parameters are averaged every this many
     optimizer steps (accelerate's LocalSGD), instead of all-reducing gradients every step."""
+    timeout_minutes: Optional[float] = _bounded(None, gt=0)
+    """How long a process waits in a collective for the others before it fails (torch.distributed's timeout;
+    default torch's: 30 minutes for gloo, 10 for NCCL). A process that died breaks its peers' connections at once;
+    this bounds the wait for one that hangs (a frozen machine, a lost network link)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 

@@ -166,6 +166,16 @@ def _plugins(cfg: RunConfig) -> dict:
     return plugins
 
 
+def _process_group_kwargs(cfg: RunConfig) -> list:
+    """The process group's timeout, when the recipe sets one (``distributed.timeout_minutes``)."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    minutes = cfg.distributed.timeout_minutes
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=minutes))] if minutes else []
+
+
 def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
     """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD)."""
     from accelerate import Accelerator
@@ -189,6 +199,7 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
             step_scheduler_with_optimizer=False,
             log_with=cfg.report_to or None,
             project_dir=cfg.output_dir,
+            kwargs_handlers=_process_group_kwargs(cfg),
             **_plugins(cfg),
         )
     except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed

@@ -516,10 +516,10 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
             checkpoint.clear_previous_outputs(out)
         if start.continues_log:
             checkpoint.truncate_metrics(out, state.step)
-        if start.resume_from is not None:
-            print(f"resuming from {start.resume_from}: step {state.step}, epoch {state.epoch} "
-                  f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
         write_text(out / "config.yaml", to_yaml(cfg))
+    if start.resume_from is not None and acc.is_local_main_process:  # once per machine: each one resumes
+        print(f"resuming from {start.resume_from}: step {state.step}, epoch {state.epoch} "
+              f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
     acc.wait_for_everyone()
     if cfg.report_to:  # the hyperparameters once, as one flat mapping
         acc.init_trackers(checkpoint.TRACKER_PROJECT, config=hyperparameters(to_dict(cfg)),

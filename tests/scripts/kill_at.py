@@ -1,9 +1,14 @@
 """Runs the real CLI and SIGKILLs its own process at micro-batch KILL_AT_MICRO (counted from the start of
-this process), to test resuming after a crash at an exact, chosen point (inside an accumulation window too)."""
+this process), to test resuming after a crash at an exact, chosen point (inside an accumulation window too).
+
+KILL_SIGNAL (default SIGKILL) sends another signal instead: SIGSTOP freezes the process (a hung machine).
+KILL_ONCE=PATH: only the first process to get there does it, leaving PATH behind (holding the time it did): a
+worker restarted by an elastic launcher then trains on."""
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -12,6 +17,8 @@ from framework import train  # noqa: E402
 from run import main  # noqa: E402  (recipes/run.py: the default recipe too)
 
 kill_at = int(os.environ["KILL_AT_MICRO"])
+sig = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
+once = os.environ.get("KILL_ONCE")
 add = train.LossWindow.add
 seen = 0
 
@@ -21,7 +28,13 @@ def add_then_maybe_die(self, *args):
     add(self, *args)
     seen += 1
     if seen == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if once:
+            try:
+                with open(once, "x") as f:  # exclusive: the first process to get here, once
+                    f.write(repr(time.time()))
+            except FileExistsError:
+                return
+        os.kill(os.getpid(), sig)
 
 
 train.LossWindow.add = add_then_maybe_die
