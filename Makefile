@@ -1,4 +1,4 @@
-# make install | run | test | install-xla | test-xla | bench   (each installs what it needs)
+# make install | run | test | test-gpu | install-xla | test-xla | bench   (each installs what it needs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
-.PHONY: install run test test-cpu install-xla test-xla bench
+.PHONY: install run test test-cpu test-gpu install-xla test-xla bench
 
 install: $(VENV)/.installed assets/.ready
 
@@ -45,6 +45,11 @@ bench: install
 
 test-cpu: install
 	$(BIN)/python -m pytest -m "not xla" tests
+
+# The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two.
+test-gpu: install
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,deepspeed]'
+	$(BIN)/python -m pytest -m gpu tests/test_gpu.py
 
 # The XLA tier: torch 2.9.0 + torch_xla 2.9.0 (its exact match) in their own venv, XLA on the CPU.
 install-xla: $(XVENV)/.installed assets/.ready

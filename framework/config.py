@@ -358,7 +358,8 @@ def _schema_fields(cls: type) -> list:
 # Every other key changes the training trajectory, and a resume with a different value is refused.
 RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "report.enabled", "report.every_minutes", "model.token",
                     "data.num_workers", "train.log_every", "train.eval_batch_size", "train.cpu_threads",
-                    "train.profile_steps", "checkpoint.every_steps", "checkpoint.every_epoch",
+                    "train.profile_steps", "distributed.timeout_minutes", "checkpoint.every_steps",
+                    "checkpoint.every_epoch",
                     "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume")
 # Free only while no metric picks the best model or stops early: then evaluation points decide the result.
 RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
