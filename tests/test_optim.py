@@ -249,3 +249,26 @@ def test_relative_step_refuses_a_group_lr():
                       param_groups=[ParamGroupConfig(pattern="classifier", lr=1e-3)])
     with pytest.raises(UserError, match=r"optim.param_groups\[0\].lr: Adafactor's relative-step mode"):
         build_optimizer(tiny_bert(), cfg, "cpu")
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                                      "constant_with_warmup"])
+def test_schedules_equal_transformers_get_scheduler_to_the_last_bit(schedule):
+    """The schedules are transformers' formulas (written in framework/optim.py to keep peft's import out of every
+    run's start): the same learning rates, bitwise, for every step, warmup, length and parameter group."""
+    from transformers import get_scheduler
+
+    def optimizer():
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]},
+                                {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.3}], lr=0.01)
+
+    for warmup in ([0] if schedule == "constant" else [0, 3]):
+        for total in (4, 37, 360):
+            a, b = optimizer(), optimizer()
+            theirs = get_scheduler(schedule, a, num_warmup_steps=warmup, num_training_steps=total)
+            ours = build_scheduler(b, OptimConfig(name="sgd", lr=0.01, scheduler=schedule, warmup_steps=warmup), total)
+            for step in range(total + 3):  # and past the end
+                assert ours.get_last_lr() == theirs.get_last_lr(), (warmup, total, step)
+                for opt, sched in ((a, theirs), (b, ours)):
+                    opt.step()
+                    sched.step()
