@@ -74,11 +74,11 @@ def eval_rows(cfg: RunConfig, mesh: xla_spmd.Mesh) -> int:
     return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * mesh.devices
 
 
-def load_model_and_data(cfg: RunConfig, task: Task, mesh: xla_spmd.Mesh):
+def load_model_and_data(cfg: RunConfig, task: Task, mesh: Optional[xla_spmd.Mesh] = None):
     """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
     (or built), and the rows prepared by the task; at most ``eval.batches`` eval batches. A stream's training
     features are made later, per process (None here). Seed first: a new model or head draws from the global RNG."""
-    rows = eval_rows(cfg, mesh)
+    rows = eval_rows(cfg, mesh or xla_spmd.Mesh())  # without SPMD one device
     if cfg.data.streaming:
         streaming.check_sources(cfg, task.columns(cfg))
         model, tokenizer = task.load(cfg, None, None)
@@ -517,7 +517,8 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         if start.continues_log:
             checkpoint.truncate_metrics(out, state.step)
         write_text(out / "config.yaml", to_yaml(cfg))
-    if start.resume_from is not None and acc.is_local_main_process:  # once per machine: each one resumes
+    # Once per machine, each resumes (accelerate's local index is -1 for an XLA process started without a launcher).
+    if start.resume_from is not None and (acc.is_main_process or acc.local_process_index == 0):
         print(f"resuming from {start.resume_from}: step {state.step}, epoch {state.epoch} "
               f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
     acc.wait_for_everyone()

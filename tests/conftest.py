@@ -96,10 +96,10 @@ def hf_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_home")
 
 
-@pytest.fixture
-def cli(hf_home):
-    """Run the real CLI in a subprocess: ``cli(args, launch=None)``; ``launch`` is an accelerate config
-    file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python."""
+def cli_runner(hf_home: Path):
+    """Run the real CLI in a subprocess: ``run(args, launch=None)``; ``launch`` is an accelerate config
+    file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python. Its environment
+    is this process's at the time of the call (a test's monkeypatched variables too)."""
 
     def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
             launch_args: Sequence[str] = ()):
@@ -117,6 +117,12 @@ def cli(hf_home):
         return proc
 
     return run
+
+
+@pytest.fixture
+def cli(hf_home):
+    """``cli_runner`` for a test."""
+    return cli_runner(hf_home)
 
 
 def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:

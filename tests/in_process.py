@@ -48,3 +48,9 @@ def run_main(args: List[str], hf_home: Path) -> int:
 
     with fresh_process(hf_home):
         return main(list(args))
+
+
+def train_ok(args: List[str], hf_home: Path) -> None:
+    """``run.py ARGS`` in this process, which must succeed: a baseline run whose process boundary is not what a
+    test is about (a subprocess costs about 9 s of imports here)."""
+    assert run_main(args, hf_home) == 0, args

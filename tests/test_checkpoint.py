@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, RUN, read_metrics, tiny_args
-from in_process import run_main
+from in_process import run_main, train_ok
 
 KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
 # 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
@@ -62,11 +62,14 @@ def assert_bitwise_equal_models(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("case,extra,kill_at,launch", [
     ("one_process", [], 53, None),
     ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
-    ("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml"),
+    pytest.param("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml", marks=pytest.mark.multiprocess),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_path, case, extra, kill_at, launch):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    cli(tiny_args(tiny_model, easy_data, whole, *COMMON, *extra), launch=launch)
+    if launch:
+        cli(tiny_args(tiny_model, easy_data, whole, *COMMON, *extra), launch=launch)
+    else:
+        train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON, *extra), hf_home)
     proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *COMMON, *extra), kill_at, launch)
     assert "resuming from" in proc.stdout and "step_50" in proc.stdout
     assert_bitwise_equal_models(whole, resumed)
@@ -78,7 +81,7 @@ def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_pat
 def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, easy_data, hf_home, tmp_path):
     args = ["backend=cpu", "train.max_steps=300", "train.epochs=10", "train.log_every=1"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    cli(tiny_args(tiny_model, easy_data, whole, *args))
+    train_ok(tiny_args(tiny_model, easy_data, whole, *args), hf_home)
     proc = subprocess.Popen([sys.executable, str(RUN), *tiny_args(tiny_model, easy_data, stopped, *args)], cwd=ROOT,
                             env=env(hf_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -100,7 +103,7 @@ def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, 
 def test_damaged_checkpoint_is_skipped_with_a_warning(cli, tiny_model, easy_data, hf_home, tmp_path, damage):
     whole, out = tmp_path / "whole", tmp_path / "out"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
-    cli(tiny_args(tiny_model, easy_data, whole, *COMMON))
+    train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON), hf_home)
     proc = subprocess.run([sys.executable, str(KILL_SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
                           env=env(hf_home, KILL_AT_MICRO="53"), timeout=600)
     assert proc.returncode != 0
@@ -115,10 +118,10 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(cli, tiny_model, easy_data
     assert_bitwise_equal_models(whole, out)
 
 
-def test_keep_last_keeps_the_newest_and_the_best(cli, tiny_model, easy_data, tmp_path):
+def test_keep_last_keeps_the_newest_and_the_best(tiny_model, easy_data, hf_home, tmp_path):
     out = tmp_path / "out"
-    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=40", "checkpoint.every_steps=5", "checkpoint.keep_last=2",
-                  "eval.every_steps=5", "eval.metric=loss"))
+    train_ok(tiny_args(tiny_model, easy_data, out, "train.max_steps=40", "checkpoint.every_steps=5",
+                       "checkpoint.keep_last=2", "eval.every_steps=5", "eval.metric=loss"), hf_home)
     summary = json.loads((out / "summary.json").read_text())
     best = summary["best"]["step"]
     kept = {p.name for p in (out / "checkpoints").iterdir()}
@@ -126,11 +129,11 @@ def test_keep_last_keeps_the_newest_and_the_best(cli, tiny_model, easy_data, tmp
     assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
 
 
-def test_early_stopping_and_best_model(cli, tiny_model, easy_data, tmp_path):
+def test_early_stopping_and_best_model(tiny_model, easy_data, hf_home, tmp_path):
     out = tmp_path / "out"
     # A learning rate this small leaves the accuracy where it starts: the metric stalls after the first eval.
-    cli(tiny_args(tiny_model, easy_data, out, "optim.lr=1e-12", "train.max_steps=100", "eval.every_steps=5",
-                  "eval.metric=accuracy", "train.early_stopping_patience=2"))
+    train_ok(tiny_args(tiny_model, easy_data, out, "optim.lr=1e-12", "train.max_steps=100", "eval.every_steps=5",
+                       "eval.metric=accuracy", "train.early_stopping_patience=2"), hf_home)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["train"]["stopped_early"] and summary["train"]["steps"] == 15
     assert summary["best"] == {"step": 5, "metric": "accuracy", "value": summary["best"]["value"]}
@@ -138,9 +141,9 @@ def test_early_stopping_and_best_model(cli, tiny_model, easy_data, tmp_path):
     assert (out / "model" / "model.safetensors").is_file()
 
 
-def test_resume_refuses_a_finished_run(cli, tiny_model, easy_data, tmp_path):
+def test_resume_refuses_a_finished_run(cli, tiny_model, easy_data, hf_home, tmp_path):
     out = tmp_path / "out"
-    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"))
+    train_ok(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"), hf_home)
     proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=10", "checkpoint.every_steps=5"), check=False)
     assert proc.returncode == 2 and "already finished" in proc.stderr
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, tiny_args
+from in_process import train_ok
 from test_launch import cores
 from framework.cli import main
 
@@ -33,7 +34,8 @@ def final_eval(out: Path) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
-def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, tiny_model, easy_data, tmp_path):
+def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, tiny_model, easy_data, hf_home,
+                                                                         tmp_path):
     """Equal weights after 6 steps mean the two processes together saw exactly the examples of the
     single process's batch of 8, split into disjoint halves. Launched the way users type it, with the
     default backend (auto): on a machine without GPUs the 2 launched processes train together on the CPU."""
@@ -44,9 +46,10 @@ def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, ti
     # Each process gets its share of the cores (the launcher's OMP_NUM_THREADS=1 overridden).
     assert f"cpu_threads: {max(1, cores() // 2)} (auto: {cores()} cores / 2 processes" in proc.stdout
     big = tmp_path / "one_proc_batch8"
-    cli(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common))
+    train_ok(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common), hf_home)
     accum = tmp_path / "one_proc_accum2"
-    cli(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2", *common))
+    train_ok(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2",
+                       *common), hf_home)
 
     assert_same_weights(two, big)
     assert_same_weights(two, accum)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, documents, read_metrics
-from in_process import run_main
+from in_process import run_main, train_ok
 from test_checkpoint import crash_then_resume, losses_by_step
 
 TINY_LM = Path(__file__).resolve().parent / "tiny_lm.yaml"
@@ -123,13 +123,13 @@ def test_accumulation_over_uneven_token_counts_equals_one_batch(hf_home, word_to
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
-def test_two_processes_equal_one_with_double_batch(cli, word_tokenizer, corpus, tmp_path):
+def test_two_processes_equal_one_with_double_batch(cli, hf_home, word_tokenizer, corpus, tmp_path):
     common = ["data.packing=false", "train.max_steps=5", "train.max_grad_norm=null", "backend=auto", "optim.name=sgd",
               "optim.lr=0.5"]
     two, one = tmp_path / "two", tmp_path / "one"
     proc = cli(lm_args(word_tokenizer, corpus, two, *common), launch="cpu_ddp.yaml")
     assert "num_processes: 2" in proc.stdout
-    cli(lm_args(word_tokenizer, corpus, one, *common, "train.batch_size=8"))
+    train_ok(lm_args(word_tokenizer, corpus, one, *common, "train.batch_size=8"), hf_home)
     assert_close_weights(two, one, rtol=1e-5, atol=1e-6)
     assert summary(two)["eval"]["tokens"] == summary(one)["eval"]["tokens"]
     assert summary(two)["eval"]["loss"] == pytest.approx(summary(one)["eval"]["loss"], rel=1e-5)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, RUN, tiny_args, train_losses
 from test_checkpoint import assert_bitwise_equal_models
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
+pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
 
 KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"

@@ -83,7 +83,8 @@ def test_mfu_is_the_model_flops_rate_over_the_measured_peak(report_run):
     assert 0 < summary["mfu"] < 1
     logged = [r for r in read_metrics(report_run) if "loss" in r]
     assert len(logged) == 24 and all(0 < r["mfu"] < 1 and r["tokens_per_second"] > 0 for r in logged)
-    assert "measured: float32 1024x1024 matrix products" in summary["plan"]["peak_flops"]
+    # The probe's size: the largest up to 1024 whose product is quick (smaller on a busy machine).
+    assert re.search(r"measured: float32 (128|256|512|1024)x\1 matrix products", summary["plan"]["peak_flops"])
 
 
 def test_the_profile_covers_the_steps_asked_for_and_names_the_model_ops(report_run):
@@ -250,7 +251,7 @@ def test_the_cpu_probe_measures_matrix_products():
     from framework.flops import measure_matmul_peak
 
     fp32, size = measure_matmul_peak(torch.float32, seconds=0.2)
-    assert 1e9 < fp32 < 1e14 and size == 1024  # a GFLOP/s at least, nothing a CPU cannot do; the largest size
+    assert 1e9 < fp32 < 1e14 and size in (128, 256, 512, 1024)  # a GFLOP/s at least, nothing a CPU cannot do
     start = time.perf_counter()
     bf16, size = measure_matmul_peak(torch.bfloat16, seconds=0.2)
     assert 0 < bf16 < 1e14 and time.perf_counter() - start < 3  # slow where bf16 is emulated, but short

@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 from conftest import ROOT, documents, read_metrics
-from in_process import run_main
+from in_process import run_main, train_ok
 from test_checkpoint import KILL_SCRIPT, assert_bitwise_equal_models, crash_then_resume, env, launch_cmd, losses_by_step
 from test_language_models import TINY_LM
 
@@ -35,7 +35,7 @@ def stream_args(tokenizer: Path, shards: Path, out: Path, *extra: str):
 
 def test_streamed_run_resumes_bitwise_twice(cli, hf_home, word_tokenizer, shards, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    cli(stream_args(word_tokenizer, shards, whole))
+    train_ok(stream_args(word_tokenizer, shards, whole), hf_home)
     epochs = [r["epoch"] for r in read_metrics(whole) if "loss" in r]
     assert epochs[0] == 0 and epochs[-1] >= 1, "the run should cross an epoch (a pass over the files)"
     # Killed at step 13 (resumes from step 8), then again at step 8 + 12 = 20 (resumes from step 16: the
@@ -52,6 +52,7 @@ def test_streamed_run_resumes_bitwise_twice(cli, hf_home, word_tokenizer, shards
     assert summary["eval"] == json.loads((resumed / "summary.json").read_text())["eval"]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_read_their_own_shares_and_resume_bitwise(cli, hf_home, word_tokenizer, shards, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     cli(stream_args(word_tokenizer, shards, whole, "train.max_steps=24"), launch="cpu_ddp.yaml")

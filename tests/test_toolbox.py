@@ -36,9 +36,10 @@ def assert_learns(out: Path) -> None:
     ["optim.scheduler=cosine", "optim.warmup_steps=5"],
     ["optim.param_groups=[{pattern: classifier, lr: 0.01}]"],
 ], ids=lambda o: " ".join(o))
-def test_key_trains_with_decreasing_loss(cli, tiny_model, easy_data, tmp_path, overrides):
+def test_key_trains_with_decreasing_loss(tiny_model, easy_data, hf_home, tmp_path, overrides):
     out = tmp_path / "out"
-    cli(tiny_args(tiny_model, easy_data, out, "train.epochs=2", "train.log_every=3", *overrides))
+    assert run_main(tiny_args(tiny_model, easy_data, out, "train.epochs=2", "train.log_every=3", *overrides),
+                    hf_home) == 0
     assert_learns(out)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, RUN, read_metrics, tiny_args, train_losses
+from conftest import ROOT, RUN, cli_runner, read_metrics, tiny_args, train_losses
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -34,6 +34,7 @@ def summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_default_recipe_compiles_a_bounded_number_of_graphs(cli, tmp_path):
     one, two = tmp_path / "one_epoch", tmp_path / "two_epochs"
     proc = cli([*SAMPLE, "train.epochs=1", f"output_dir={one}"])
@@ -48,45 +49,81 @@ def test_default_recipe_compiles_a_bounded_number_of_graphs(cli, tmp_path):
     assert short["transfers_in_steps"] == long["transfers_in_steps"] == 0, (short, long)
 
 
-def test_xla_losses_match_the_cpu_backend(cli, tiny_model, easy_data, tmp_path):
-    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
-    cli(tiny_args(tiny_model, easy_data, xla, "train.max_steps=10"))
-    cli(tiny_args(tiny_model, easy_data, cpu, "train.max_steps=10", "backend=cpu"))
+# The tiny model's shared runs: 8 steps, a checkpoint every 4. One device with the whole batch of 8 (and a
+# profiled window), and FSDP over 4 virtual devices with 2 examples each; the other runs compare with them.
+XLA_BASE = ["train.max_steps=8", "optim.lr=3e-3", "train.log_every=1", "checkpoint.every_steps=4"]
+ONE_DEVICE = ["train.batch_size=8", "train.eval_batch_size=12"]
+FOUR_DEVICES = ["train.batch_size=2", "train.eval_batch_size=3"]  # per device: the same batches
+
+
+def shared_run(hf_home, args, devices: int = 1):
+    """A run for several tests (module scope), on ``devices`` virtual XLA CPU devices."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PJRT_DEVICE", "CPU")
+        if devices > 1:
+            mp.setenv("CPU_NUM_DEVICES", str(devices))
+        else:
+            mp.delenv("CPU_NUM_DEVICES", raising=False)
+        return cli_runner(hf_home)(args)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, tiny_model, easy_data, hf_home):
+    out = tmp_path_factory.mktemp("xla_one_device") / "out"
+    proc = shared_run(hf_home, tiny_args(tiny_model, easy_data, out, *XLA_BASE, *ONE_DEVICE,
+                                                           "train.profile_steps=[2,3]"))
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, tiny_model, easy_data, hf_home):
+    out = tmp_path_factory.mktemp("xla_fsdp") / "out"
+    proc = shared_run(hf_home, tiny_args(tiny_model, easy_data, out, *XLA_BASE, *FOUR_DEVICES,
+                                                           "distributed.strategy=xla_fsdp"), devices=4)
+    return out, proc
+
+
+def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()  # the model's own names (no wrapper prefix under xla_fsdp)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_xla_losses_match_the_cpu_backend(one_device, cli, tiny_model, easy_data, tmp_path):
+    xla, _ = one_device
+    cpu = tmp_path / "cpu"
+    cli(tiny_args(tiny_model, easy_data, cpu, *XLA_BASE, *ONE_DEVICE, "backend=cpu"))
     assert summary(xla)["backend"] == "xla" and summary(cpu)["backend"] == "cpu"
     # Static padding on XLA, dynamic on the CPU: the attention mask makes them the same computation,
     # up to float32 reduction order.
     torch.testing.assert_close(torch.tensor(train_losses(xla)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
 
 
-def test_gradient_accumulation_on_xla_equals_the_larger_batch(cli, tiny_model, easy_data, tmp_path):
-    big, accum = tmp_path / "batch8", tmp_path / "batch4x2"
-    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null"]
-    cli(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common))
-    cli(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2", *common))
+def test_gradient_accumulation_on_xla_equals_the_larger_batch(one_device, cli, tiny_model, easy_data, tmp_path):
+    big, _ = one_device
+    accum = tmp_path / "batch4x2"
+    cli(tiny_args(tiny_model, easy_data, accum, *XLA_BASE, *ONE_DEVICE, "train.batch_size=4",
+                  "train.gradient_accumulation_steps=2"))
     assert summary(accum)["backend"] == "xla"
-    wa, wb = load_file(big / "model" / "model.safetensors"), load_file(accum / "model" / "model.safetensors")
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]),
-                               torch.tensor([r["loss"] for r in read_metrics(accum) if "loss" in r]),
-                               rtol=1e-4, atol=1e-5)
+    assert_same_weights(big, accum, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(train_losses(big)), torch.tensor(train_losses(accum)), rtol=1e-4,
+                               atol=1e-5)
 
 
-def test_spmd_over_four_devices_equals_one_device(cli, tiny_model, easy_data, tmp_path, monkeypatch):
+def test_spmd_over_four_devices_equals_one_device(one_device, cli, tiny_model, easy_data, tmp_path, monkeypatch):
     """Data parallel on several XLA devices without a TPU: SPMD over 4 virtual CPU devices, 2 examples
     each, against one device with the whole batch of 8."""
-    spmd, single = tmp_path / "spmd", tmp_path / "single"
-    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"]
-    cli(tiny_args(tiny_model, easy_data, single, "train.batch_size=8", *common))
+    single, _ = one_device
+    spmd = tmp_path / "spmd"
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    proc = cli(tiny_args(tiny_model, easy_data, spmd, "train.batch_size=2", "distributed.strategy=xla_spmd", *common))
+    proc = cli(tiny_args(tiny_model, easy_data, spmd, *XLA_BASE, *FOUR_DEVICES, "distributed.strategy=xla_spmd"))
     assert "xla spmd (batch sharded over 4 devices)" in proc.stdout and "effective_batch: 8" in proc.stdout
     torch.testing.assert_close(torch.tensor(train_losses(spmd)), torch.tensor(train_losses(single)),
                                rtol=1e-5, atol=1e-6)
-    wa, wb = load_file(spmd / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors")
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_same_weights(spmd, single, rtol=1e-5, atol=1e-6)
     assert summary(spmd)["eval"] == pytest.approx(summary(single)["eval"], rel=1e-5)  # all 40 examples, once
+    assert summary(spmd)["xla"]["transfers_in_steps"] == 0  # batches arrive on the devices already split
 
 
 def test_the_tpu_launch_config_trains_and_exits_non_zero_on_a_user_error(tiny_model, easy_data, hf_home, tmp_path):
@@ -107,19 +144,35 @@ def test_the_tpu_launch_config_trains_and_exits_non_zero_on_a_user_error(tiny_mo
     assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in bad.stderr
 
 
-def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(cli, tiny_model, easy_data, hf_home, tmp_path):
+def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(one_device, tiny_model, easy_data, hf_home,
+                                                                 tmp_path):
     """Checkpoints on XLA save and load (accelerate's loader wrapper lacked what save_state reads), and a run
     killed after step 4's checkpoint resumes to the same weights as the uninterrupted run."""
     from test_checkpoint import assert_bitwise_equal_models, crash_then_resume
 
-    common = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    cli(tiny_args(tiny_model, easy_data, whole, *common))
-    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *common), kill_at_micro=6)
+    whole, _ = one_device
+    resumed = tmp_path / "resumed"
+    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *XLA_BASE, *ONE_DEVICE,
+                                                "train.profile_steps=[2,3]"), kill_at_micro=6)
     assert "resuming from" in proc.stdout and "step_4" in proc.stdout
     assert summary(resumed)["backend"] == "xla" and summary(resumed)["train"]["resumed_from_step"] == 4
     assert_bitwise_equal_models(whole, resumed)
     assert train_losses(resumed) == train_losses(whole)
+
+
+def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(one_device):
+    """torch_xla's profiler traced steps 2 to 3: its Chrome trace names the executed graphs' HLO ops (the
+    embedding's gather, the layers' dot products). The XLA CPU device has no peak figure: no MFU, said once."""
+    import gzip
+
+    out, proc = one_device
+    (trace,) = (out / "profile").rglob("*.trace.json.gz")
+    assert f"profile of steps 2-3 written to {trace}" in proc.stdout + proc.stderr
+    names = {e.get("name", "") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert any(n.startswith("gather") for n in names) and any(n.startswith("dot") or "fusion" in n for n in names)
+    assert any("ExecuteComputation" in n for n in names)  # the device executing the step's graph
+    assert proc.stdout.count("no peak FLOP/s known for cpu") == 1
+    assert summary(out)["mfu"] is None and not any("mfu" in r for r in read_metrics(out))
 
 
 # ---------------------------------------------------------------- language models on XLA
@@ -201,26 +254,7 @@ def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_
     assert "Traceback" not in proc.stderr
 
 
-def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(cli, tiny_model, easy_data, tmp_path):
-    """torch_xla's profiler traces steps 2 to 3: its Chrome trace names the executed graphs' HLO ops (the
-    embedding's gather, the layers' dot products). The XLA CPU device has no peak figure: no MFU, said once."""
-    import gzip
-
-    out = tmp_path / "out"
-    proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=5", "train.profile_steps=[2,3]"))
-    (trace,) = (out / "profile").rglob("*.trace.json.gz")
-    assert f"profile of steps 2-3 written to {trace}" in proc.stdout + proc.stderr
-    names = {e.get("name", "") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
-    assert any(n.startswith("gather") for n in names) and any(n.startswith("dot") or "fusion" in n for n in names)
-    assert any("ExecuteComputation" in n for n in names)  # the device executing the step's graph
-    assert proc.stdout.count("no peak FLOP/s known for cpu") == 1
-    assert summary(out)["mfu"] is None and not any("mfu" in r for r in read_metrics(out))
-
-
 # ---------------------------------------------------------------- parameters sharded over devices (XLA FSDP)
-
-FSDP_COMMON = ["train.max_steps=6", "optim.lr=3e-3", "train.log_every=1"]
-
 
 def per_device_fraction(out: Path) -> tuple:
     """The share of the weights and of the optimizer state the first device holds, read from the shards."""
@@ -229,47 +263,39 @@ def per_device_fraction(out: Path) -> tuple:
     return held["weight_bytes"] / memory["weight_bytes"], held["optimizer_state_bytes"] / memory["optimizer_state_bytes"]
 
 
-def test_xla_fsdp_over_four_devices_equals_one_device_with_a_quarter_on_each(cli, tiny_model, easy_data, tmp_path,
-                                                                             monkeypatch):
+def test_xla_fsdp_over_four_devices_equals_one_device_with_a_quarter_on_each(fsdp_run, one_device):
     """distributed.strategy=xla_fsdp on 4 virtual CPU devices (the default [1, 4] mesh) against one device with
     the whole batch: the same losses, weights and evaluation; each device holds a quarter of the weights and of
     AdamW's state (a little more: the devices do not divide every dimension, and the shards are padded)."""
     from transformers import pipeline
 
-    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
-    cli(tiny_args(tiny_model, easy_data, single, *FSDP_COMMON, "train.batch_size=8", "train.eval_batch_size=12"))
-    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    proc = cli(tiny_args(tiny_model, easy_data, fsdp, *FSDP_COMMON, "train.batch_size=2", "train.eval_batch_size=3",
-                         "distributed.strategy=xla_fsdp"))
+    (fsdp, proc), (single, _) = fsdp_run, one_device
     assert ("strategy: xla fsdp (parameters, gradients and optimizer state sharded over 4 devices, batch over 4; "
             "mesh data 1 x fsdp 4)") in proc.stdout
     assert "optimizer state (adamw): 0.0 MiB (sharded over 4 devices)" in proc.stdout  # the plan per device
     torch.testing.assert_close(torch.tensor(train_losses(fsdp)), torch.tensor(train_losses(single)), rtol=1e-5,
                                atol=1e-6)
-    wa, wb = load_file(fsdp / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()  # the model's own names: no wrapper prefix
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_same_weights(fsdp, single, rtol=1e-5, atol=1e-6)
     assert summary(fsdp)["eval"] == pytest.approx(summary(single)["eval"], rel=1e-5)
     weights, state = per_device_fraction(fsdp)
     assert 0.25 <= weights < 0.26 and 0.25 <= state < 0.26, (weights, state)
     assert "per_device" not in summary(single)["memory"]
     classify = pipeline("text-classification", model=str(fsdp / "model"), device="cpu")
     assert classify("the movie was great")[0]["label"] in ("pos", "neg")
-    # Compiled once: the 6 steps and the evaluation reuse their graphs (as on one device), nothing in the steps
+    # The steps, checkpoints and evaluation compile no more graphs than on one device, and nothing in the steps
     # reads the device.
     xla = summary(fsdp)["xla"]
     assert xla["compiles"] <= summary(single)["xla"]["compiles"] + 2 and xla["transfers_in_steps"] == 0, xla
 
 
-def test_xla_fsdp_on_a_2x2_mesh_equals_one_device_with_half_on_each(cli, tiny_model, easy_data, tmp_path,
-                                                                    monkeypatch):
+def test_xla_fsdp_on_a_2x2_mesh_equals_one_device_with_half_on_each(one_device, cli, tiny_model, easy_data,
+                                                                    tmp_path, monkeypatch):
     """distributed.mesh=[2,2]: 2 replicas (data) of parameters sharded 2 ways (fsdp), the batch over all 4."""
-    single, mesh = tmp_path / "single", tmp_path / "mesh"
-    cli(tiny_args(tiny_model, easy_data, single, *FSDP_COMMON, "train.batch_size=8", "train.eval_batch_size=12"))
+    single, _ = one_device
+    mesh = tmp_path / "mesh"
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    proc = cli(tiny_args(tiny_model, easy_data, mesh, *FSDP_COMMON, "train.batch_size=2", "train.eval_batch_size=3",
-                         "distributed.strategy=xla_fsdp", "distributed.mesh=[2,2]"))
+    proc = cli(tiny_args(tiny_model, easy_data, mesh, *XLA_BASE, *FOUR_DEVICES, "distributed.strategy=xla_fsdp",
+                         "distributed.mesh=[2,2]"))
     assert "sharded over 2 devices, batch over 4; mesh data 2 x fsdp 2" in proc.stdout
     torch.testing.assert_close(torch.tensor(train_losses(mesh)), torch.tensor(train_losses(single)), rtol=1e-5,
                                atol=1e-6)
@@ -280,18 +306,17 @@ def test_xla_fsdp_on_a_2x2_mesh_equals_one_device_with_half_on_each(cli, tiny_mo
     assert bad.returncode == 2 and "distributed.mesh: [3, 2] covers 6 devices, but there are 4" in bad.stderr
 
 
-def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(cli, tiny_model, easy_data, hf_home, tmp_path,
-                                                                    monkeypatch):
+def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(fsdp_run, tiny_model, easy_data, hf_home,
+                                                                    tmp_path, monkeypatch):
     """Checkpoints of a sharded run hold the whole weights and optimizer state (assembled from the shards); a run
     killed after step 4's checkpoint resumes, shards again, and ends with the uninterrupted run's weights."""
     from test_checkpoint import assert_bitwise_equal_models, crash_then_resume
 
+    whole, _ = fsdp_run
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    common = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.batch_size=2",
-              "distributed.strategy=xla_fsdp"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    cli(tiny_args(tiny_model, easy_data, whole, *common))
-    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *common), kill_at_micro=6)
+    resumed = tmp_path / "resumed"
+    proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *XLA_BASE, *FOUR_DEVICES,
+                                                "distributed.strategy=xla_fsdp"), kill_at_micro=6)
     assert "resuming from" in proc.stdout and "step_4" in proc.stdout
     assert summary(resumed)["train"]["resumed_from_step"] == 4
     assert_bitwise_equal_models(whole, resumed)
@@ -301,4 +326,3 @@ def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(cli, tiny_mo
     # The checkpoint holds whole tensors under the wrapper's names: its own format, loaded by the same strategy.
     saved = torch.load(resumed / "checkpoints" / "step_8" / "pytorch_model.bin", map_location="cpu")
     assert any(name.endswith("word_embeddings.weight") for name in saved)
-    assert all(t.shape == saved[name].shape for name, t in saved.items())
