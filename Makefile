@@ -35,13 +35,14 @@ run: install
 	else out=$(RUNS)/default-$$(date +%Y%m%d-%H%M%S); echo "make run: training into $$out (if it stops, make run resumes it)"; fi; \
 	$(LAUNCH) recipes/run.py output_dir=$$out
 
-# The whole suite but the real-recipe runs (marked slow), its CPU and XLA tiers side by side: each alone leaves
-# part of the 2 cores idle (imports, compiles). Each tier's output comes when it is done.
+# The suite but the tests marked slow, its CPU and XLA tiers side by side: each alone leaves part of the 2 cores
+# idle (imports, compiles). Each tier's output comes when it is done.
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-cpu test-xla
 
-# The real recipes as written (the pretrained MiniLM on Rotten Tomatoes, the Hamlet LM; minutes each): .ci/run
-# runs them after make test.
+# The tests marked slow: the real recipes as written (the pretrained MiniLM on Rotten Tomatoes, the Hamlet LM;
+# minutes each) and variants of runs make test checks (LoRA and a causal LM over SPMD on XLA). .ci/run runs them
+# after make test.
 test-slow: install install-xla
 	$(BIN)/python -m pytest -m "slow and not xla" tests
 ifeq ($(XLA_PLATFORM),yes)

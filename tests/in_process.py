@@ -4,8 +4,10 @@ process boundary is what is tested (launchers, signals, a cache reused by a late
 
 from __future__ import annotations
 
+import io
 import os
-from contextlib import contextmanager
+import subprocess
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Iterator, List
 
@@ -54,3 +56,12 @@ def train_ok(args: List[str], hf_home: Path) -> None:
     """``run.py ARGS`` in this process, which must succeed: a baseline run whose process boundary is not what a
     test is about (a subprocess costs about 9 s of imports here)."""
     assert run_main(args, hf_home) == 0, args
+
+
+def run_captured(args: List[str], hf_home: Path) -> subprocess.CompletedProcess:
+    """``run.py ARGS`` in this process, its output captured as a subprocess's would be (returncode, stdout,
+    stderr): where a later run of the same command needs no process of its own (a resume after a kill)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = run_main(args, hf_home)
+    return subprocess.CompletedProcess(list(args), status, out.getvalue(), err.getvalue())

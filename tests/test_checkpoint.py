@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, RUN, read_metrics, tiny_args
-from in_process import run_main, train_ok
+from in_process import run_captured, run_main, train_ok
 
 KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
 # 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
@@ -37,13 +37,18 @@ def launch_cmd(script: Path, launch: str):
             str(ROOT / "accelerate_configs" / launch), str(script)]
 
 
-def crash_then_resume(hf_home, args, kill_at_micro, launch=None):
-    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end."""
+def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True):
+    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end: launched as
+    the first was, or with neither a launcher nor ``in_process=False`` in this process (the XLA tier's runs
+    need a process each: its runtime's devices are fixed at the first use)."""
     proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch) + args, cwd=ROOT, capture_output=True, text=True,
                           env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
     assert proc.returncode != 0, "the run should have been killed"
-    resumed = subprocess.run(launch_cmd(RUN, launch) + args, cwd=ROOT, capture_output=True, text=True,
-                             env=env(hf_home), timeout=600)
+    if launch is None and in_process:
+        resumed = run_captured(args, hf_home)
+    else:
+        resumed = subprocess.run(launch_cmd(RUN, launch) + args, cwd=ROOT, capture_output=True, text=True,
+                                 env=env(hf_home), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return resumed
 
@@ -78,7 +83,7 @@ def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_pat
     assert json.loads((resumed / "summary.json").read_text())["train"]["resumed_from_step"] == 50
 
 
-def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, easy_data, hf_home, tmp_path):
+def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(tiny_model, easy_data, hf_home, tmp_path):
     args = ["backend=cpu", "train.max_steps=300", "train.epochs=10", "train.log_every=1"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     train_ok(tiny_args(tiny_model, easy_data, whole, *args), hf_home)
@@ -95,12 +100,12 @@ def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(cli, tiny_model, 
     last = max(r["step"] for r in read_metrics(stopped))
     assert 0 < last < 300
     assert (stopped / "checkpoints" / f"step_{last}" / "trainer_state.json").is_file()
-    cli(tiny_args(tiny_model, easy_data, stopped, *args))
+    train_ok(tiny_args(tiny_model, easy_data, stopped, *args), hf_home)
     assert_bitwise_equal_models(whole, stopped)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_damaged_checkpoint_is_skipped_with_a_warning(cli, tiny_model, easy_data, hf_home, tmp_path, damage):
+def test_damaged_checkpoint_is_skipped_with_a_warning(tiny_model, easy_data, hf_home, tmp_path, damage):
     whole, out = tmp_path / "whole", tmp_path / "out"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
     train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON), hf_home)
@@ -112,7 +117,8 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(cli, tiny_model, easy_data
         victim.write_bytes(victim.read_bytes()[:100])
     else:
         victim.unlink()
-    resumed = cli(args)
+    resumed = run_captured(args, hf_home)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipping checkpoint {out / 'checkpoints' / 'step_50'}: optimizer.bin is" in resumed.stdout
     assert "resuming from" in resumed.stdout and "step_40" in resumed.stdout
     assert_bitwise_equal_models(whole, out)

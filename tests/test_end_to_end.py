@@ -11,7 +11,7 @@ import torch
 
 from conftest import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
 from framework.config import load_config
-from in_process import run_main
+from in_process import run_main, train_ok
 
 REFERENCE = REFERENCES / "tiny_text_classification.json"
 
@@ -112,9 +112,9 @@ def test_second_run_reuses_the_tokenized_cache(cli, tiny_model, hf_home, tmp_pat
     assert "Tokenizing" not in second.stderr
 
 
-def test_refuses_to_overwrite_then_overwrites_when_told(cli, tiny_model, easy_data, tmp_path):
+def test_refuses_to_overwrite_then_overwrites_when_told(cli, tiny_model, easy_data, hf_home, tmp_path):
     out = tmp_path / "run"
-    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=2"))
+    train_ok(tiny_args(tiny_model, easy_data, out, "train.max_steps=2"), hf_home)
     before = (out / "summary.json").read_text()
     proc = cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=3"), check=False)
     # The message names the folder and the way out (its wording differs for a finished and an unfinished run).
@@ -122,7 +122,7 @@ def test_refuses_to_overwrite_then_overwrites_when_told(cli, tiny_model, easy_da
     assert "overwrite=true" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (out / "summary.json").read_text() == before  # nothing lost
-    cli(tiny_args(tiny_model, easy_data, out, "train.max_steps=3", "overwrite=true"))
+    train_ok(tiny_args(tiny_model, easy_data, out, "train.max_steps=3", "overwrite=true"), hf_home)
     assert json.loads((out / "summary.json").read_text())["train"]["steps"] == 3
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3]  # the old log is gone
 

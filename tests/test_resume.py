@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, tiny_args
-from in_process import run_main
+from in_process import run_captured, run_main
 from test_checkpoint import crash_then_resume, env, launch_cmd, KILL_SCRIPT
 
 # 20 steps; a checkpoint every 5; the kill lands at micro-batch 13, after step 10's checkpoint.
@@ -169,8 +169,7 @@ def test_an_unfinished_run_without_a_checkpoint_starts_over(hf_home, tiny_model,
     proc = subprocess.run(launch_cmd(KILL_SCRIPT, None) + args, cwd=ROOT, capture_output=True, text=True,
                           env=env(hf_home, KILL_AT_MICRO="3"), timeout=600)
     assert proc.returncode == -9 and (out / "config.yaml").is_file() and not (out / "checkpoints").exists()
-    again = subprocess.run(launch_cmd(ROOT / "recipes" / "run.py", None) + args, cwd=ROOT, capture_output=True,
-                           text=True, env=env(hf_home), timeout=600)
+    again = run_captured(args, hf_home)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "without a checkpoint; starting it over" in again.stdout
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 21))

@@ -10,19 +10,19 @@ import sys
 
 import pytest
 
-from conftest import ROOT, RUN, read_metrics, tiny_args
+from conftest import ROOT, read_metrics, tiny_args
+from in_process import run_captured
 
 SIGNAL_SCRIPT = ROOT / "tests" / "scripts" / "signal_at.py"
 TEN_STEPS = ["train.max_steps=10", "train.log_every=5"]
 SAVED = [*TEN_STEPS, "checkpoint.every_steps=5"]  # checkpoints at steps 5 and 10, before the final evaluation
 
 
-def run(hf_home, args, **signal_env):
+def signalled(hf_home, args, **signal_env):
     env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            **signal_env}
-    script = SIGNAL_SCRIPT if signal_env else RUN
-    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, str(SIGNAL_SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 @pytest.mark.parametrize("phase,at,call,extra,signame,status", [
@@ -39,7 +39,7 @@ def test_a_signal_in_any_phase_ends_cleanly(hf_home, tiny_model, easy_data, tmp_
                                             signame, status):
     out = tmp_path / "out"
     args = tiny_args(tiny_model, easy_data, out, *extra)
-    proc = run(hf_home, args, SIGNAL_AT=at, SIGNAL_CALL=str(call), SIGNAL=signame)
+    proc = signalled(hf_home, args, SIGNAL_AT=at, SIGNAL_CALL=str(call), SIGNAL=signame)
     assert f"signal_at: sending {signame}" in proc.stdout, proc.stderr[-3000:]
     assert proc.returncode == status, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -52,7 +52,7 @@ def test_a_signal_in_any_phase_ends_cleanly(hf_home, tiny_model, easy_data, tmp_
         assert "run the same command again to resume" in lines[0]
     else:
         assert "nothing to resume, the same command starts over" in lines[0]
-    again = run(hf_home, args)  # the same command, to the end
+    again = run_captured(args, hf_home)  # the same command, to the end (a new process is not the point here)
     assert again.returncode == 0, again.stderr[-3000:]
     assert ("resuming from" in again.stdout) == (status == 3)
     summary = json.loads((out / "summary.json").read_text())

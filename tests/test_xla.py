@@ -153,7 +153,7 @@ def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(one_device, tin
     whole, _ = one_device
     resumed = tmp_path / "resumed"
     proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *XLA_BASE, *ONE_DEVICE,
-                                                "train.profile_steps=[2,3]"), kill_at_micro=6)
+                                                "train.profile_steps=[2,3]"), kill_at_micro=6, in_process=False)
     assert "resuming from" in proc.stdout and "step_4" in proc.stdout
     assert summary(resumed)["backend"] == "xla" and summary(resumed)["train"]["resumed_from_step"] == 4
     assert_bitwise_equal_models(whole, resumed)
@@ -218,6 +218,7 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
     assert a["eval"]["perplexity"] == pytest.approx(summary(cpu)["eval"]["perplexity"], rel=1e-4)
 
 
+@pytest.mark.slow  # make test-slow: SPMD itself is in the tier (test_spmd_over_four_devices_equals_one_device)
 def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monkeypatch):
     from conftest import WORDS, documents
     from test_language_models import lm_args
@@ -235,6 +236,7 @@ def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monke
     assert summary(spmd)["eval"]["tokens"] == summary(single)["eval"]["tokens"]
 
 
+@pytest.mark.slow  # make test-slow, with the other variants of a run the tier checks
 def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_data, tmp_path):
     lora = ["train.max_steps=10", "peft.r=4", "peft.alpha=8", "peft.merge=true", "optim.lr=1e-2"]
     xla, cpu = tmp_path / "xla", tmp_path / "cpu"
@@ -316,7 +318,7 @@ def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(fsdp_run, ti
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
     resumed = tmp_path / "resumed"
     proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *XLA_BASE, *FOUR_DEVICES,
-                                                "distributed.strategy=xla_fsdp"), kill_at_micro=6)
+                                                "distributed.strategy=xla_fsdp"), kill_at_micro=6, in_process=False)
     assert "resuming from" in proc.stdout and "step_4" in proc.stdout
     assert summary(resumed)["train"]["resumed_from_step"] == 4
     assert_bitwise_equal_models(whole, resumed)

@@ -2,8 +2,8 @@
 this process), to test resuming after a crash at an exact, chosen point (inside an accumulation window too).
 
 KILL_SIGNAL (default SIGKILL) sends another signal instead: SIGSTOP freezes the process (a hung machine).
-KILL_ONCE=PATH: only the first process to get there does it, leaving PATH behind (holding the time it did): a
-worker restarted by an elastic launcher then trains on."""
+KILL_ONCE=PATH: only the first process to get there does it, leaving PATH behind (holding the time it did and its
+pid): a worker restarted by an elastic launcher then trains on."""
 
 import os
 import signal
@@ -31,7 +31,7 @@ def add_then_maybe_die(self, *args):
         if once:
             try:
                 with open(once, "x") as f:  # exclusive: the first process to get here, once
-                    f.write(repr(time.time()))
+                    f.write(f"{time.time()!r} {os.getpid()}")
             except FileExistsError:
                 return
         os.kill(os.getpid(), sig)
