@@ -4,6 +4,8 @@ process boundary is what is tested (launchers, signals, a cache reused by a late
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import io
 import os
 import subprocess
@@ -44,12 +46,21 @@ def fresh_process(hf_home: Path) -> Iterator[None]:
         os.environ.update(saved_env)
 
 
+@functools.lru_cache(maxsize=None)
+def default_recipe() -> Path:
+    """recipes/run.py's default recipe (the one it trains when no --config is given)."""
+    spec = importlib.util.spec_from_file_location("run", Path(__file__).resolve().parents[1] / "recipes" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    return run.DEFAULT_RECIPE
+
+
 def run_main(args: List[str], hf_home: Path) -> int:
     """``run.py ARGS`` in this process; returns the exit status."""
     from framework.cli import main
 
     with fresh_process(hf_home):
-        return main(list(args))
+        return main(list(args), default_recipe=default_recipe())
 
 
 def train_ok(args: List[str], hf_home: Path) -> None:
