@@ -125,6 +125,17 @@ def cli(hf_home):
     return cli_runner(hf_home)
 
 
+def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
+    """Two runs' saved models (``model/model.safetensors``): the same names, each tensor within rtol/atol."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
 def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
     """Arguments that train the tiny model on the easy data with the tests' own recipe."""
     return ["--config", str(TINY_RECIPE), f"model.name_or_path={model}", f"data.train_file={data}",

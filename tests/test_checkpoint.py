@@ -38,9 +38,9 @@ def launch_cmd(script: Path, launch: str):
 
 
 def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True):
-    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end: launched as
-    the first was, or with neither a launcher nor ``in_process=False`` in this process (the XLA tier's runs
-    need a process each: its runtime's devices are fixed at the first use)."""
+    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end. The second run
+    is launched as the first was when ``launch`` names a config or ``in_process`` is False (the XLA tier's runs
+    need a process each: its runtime's devices are fixed at first use), else it runs in this process."""
     proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch) + args, cwd=ROOT, capture_output=True, text=True,
                           env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
     assert proc.returncode != 0, "the run should have been killed"

@@ -7,25 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, read_metrics, tiny_args
+from conftest import ROOT, assert_same_weights, read_metrics, tiny_args
 from in_process import train_ok
 from test_launch import cores
 from framework.cli import main
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
-
-
-def weights(out: Path) -> dict:
-    return load_file(out / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def final_eval(out: Path) -> dict:
@@ -51,8 +39,8 @@ def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, ti
     train_ok(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2",
                        *common), hf_home)
 
-    assert_same_weights(two, big)
-    assert_same_weights(two, accum)
+    assert_same_weights(two, big, rtol=1e-5, atol=1e-6)
+    assert_same_weights(two, accum, rtol=1e-5, atol=1e-6)
     # The logged losses are the same numbers too: the mean over all examples of each step.
     torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(two) if "loss" in r]),
                                torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]))

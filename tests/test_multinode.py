@@ -16,9 +16,8 @@ from typing import Dict, List, Sequence
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, RUN, tiny_args, train_losses
+from conftest import ROOT, RUN, assert_same_weights, tiny_args, train_losses
 from test_checkpoint import assert_bitwise_equal_models
 
 pytestmark = [pytest.mark.multiprocess,
@@ -65,6 +64,12 @@ def machines(args: Sequence[str], processes: int, hf_home: Path, port: int, scri
     return started
 
 
+def kill_marker(path: Path) -> tuple:
+    """(time, pid) of the worker tests/scripts/kill_at.py stopped, from its KILL_ONCE file."""
+    when, pid = path.read_text().split()
+    return float(when), int(pid)
+
+
 def finish(launchers: List[subprocess.Popen], timeout: float = 600) -> List[tuple]:
     """(exit status, output, seconds when it exited) of each launcher; kills any left at the end."""
     results = []
@@ -85,13 +90,6 @@ def run_ok(launchers: List[subprocess.Popen]) -> List[str]:
     for status, out, _ in results:
         assert status == 0, out[-4000:]
     return [out for _, out, _ in results]
-
-
-def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def one_machine(cli, args: Sequence[str], processes: int) -> None:
@@ -159,7 +157,7 @@ def test_a_dead_machine_brings_every_other_process_down_within_seconds(tiny_mode
     results = finish(machines(args, 2, hf_home, free_port(), script=KILL_SCRIPT,
                               envs=({"KILL_AT_MICRO": "100000"}, {"KILL_AT_MICRO": "5", "KILL_ONCE": str(marker)})),
                      timeout=300)
-    killed_at = float(marker.read_text().split()[0])
+    killed_at, _ = kill_marker(marker)
     seconds = exited_after(results, killed_at)
     print(f"launchers exited {seconds} s after the kill")
     assert all(status != 0 for status, _, _ in results), [s for s, _, _ in results]
@@ -180,10 +178,10 @@ def test_a_frozen_machine_is_given_up_on_after_the_distributed_timeout(tiny_mode
         (status, out, when), = finish([main], timeout=300)
     finally:
         if marker.exists():  # the frozen worker: the launcher starts its workers in sessions of their own
-            os.kill(int(marker.read_text().split()[1]), signal.SIGKILL)
+            os.kill(kill_marker(marker)[1], signal.SIGKILL)
         os.killpg(frozen.pid, signal.SIGKILL)
         frozen.wait()
-    waited = when - float(marker.read_text().split()[0])
+    waited = when - kill_marker(marker)[0]
     print(f"machine 0 gave up {waited:.1f} s after machine 1 froze")
     assert status != 0, out[-3000:]
     assert 15 <= waited < 15 + DEAD_PEER_BOUND_S, waited

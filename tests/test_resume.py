@@ -9,12 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, tiny_args
 from in_process import run_captured, run_main
-from test_checkpoint import crash_then_resume, env, launch_cmd, KILL_SCRIPT
+from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, env, launch_cmd, KILL_SCRIPT
 
 # 20 steps; a checkpoint every 5; the kill lands at micro-batch 13, after step 10's checkpoint.
 COMMON = ["train.max_steps=20", "train.log_every=1", "checkpoint.every_steps=5", "checkpoint.keep_last=4"]
@@ -24,15 +22,6 @@ def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` with its SHA-256: equal snapshots mean nothing was written or removed."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def weights(out: Path) -> dict:
-    return load_file(out / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +75,14 @@ def test_settings_that_cannot_change_the_result_resume_bitwise(capsys, tiny_mode
     for change in ("train.log_every: 1 -> 2", "checkpoint.keep_last: 4 -> 3", "eval.every_steps: null -> 7",
                    "train.eval_batch_size: null -> 5"):
         assert f"note: resuming with a changed setting that cannot change the result: {change}" in out
-    assert_same_weights(runs[0], unfinished)
+    assert_bitwise_equal_models(runs[0], unfinished)
 
 
 def test_rerunning_with_overwrite_true_resumes_the_same_recipe(capsys, tiny_model, easy_data, hf_home, runs,
                                                                unfinished):
     status, out, _ = run(capsys, hf_home, tiny_args(tiny_model, easy_data, unfinished, *COMMON, "overwrite=true"))
     assert status == 0 and "resuming from" in out and "so it is resumed, not replaced" in out
-    assert_same_weights(runs[0], unfinished)
+    assert_bitwise_equal_models(runs[0], unfinished)
     losses = {r["step"]: r["loss"] for r in read_metrics(unfinished) if "loss" in r}
     assert losses == {r["step"]: r["loss"] for r in read_metrics(runs[0]) if "loss" in r}
 
@@ -116,7 +105,7 @@ def test_resume_from_a_path_writes_only_into_its_own_output_dir(capsys, tiny_mod
     assert snapshot(unfinished) == before  # the source run is read, never written
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(11, 21))
     assert json.loads((out / "summary.json").read_text())["train"]["resumed_from_step"] == 10
-    assert_same_weights(runs[0], out)
+    assert_bitwise_equal_models(runs[0], out)
 
 
 def test_resume_from_a_path_into_another_runs_output_dir_is_refused(capsys, tiny_model, easy_data, hf_home, runs,
@@ -137,7 +126,7 @@ def test_a_run_resumed_from_a_path_and_killed_resumes_again_with_the_same_comman
     args = tiny_args(tiny_model, easy_data, out, *COMMON, f"checkpoint.resume={unfinished}/checkpoints/step_10")
     proc = crash_then_resume(hf_home, args, kill_at_micro=7)  # step 17 of 20, after step 15's checkpoint
     assert f"resuming from {out}/checkpoints/step_15" in proc.stdout
-    assert_same_weights(runs[0], out)
+    assert_bitwise_equal_models(runs[0], out)
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(11, 21))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, RUN, cli_runner, read_metrics, tiny_args, train_losses
+from conftest import ROOT, RUN, assert_same_weights, cli_runner, read_metrics, tiny_args, train_losses
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -81,13 +81,6 @@ def fsdp_run(tmp_path_factory, tiny_model, easy_data, hf_home):
     proc = shared_run(hf_home, tiny_args(tiny_model, easy_data, out, *XLA_BASE, *FOUR_DEVICES,
                                                            "distributed.strategy=xla_fsdp"), devices=4)
     return out, proc
-
-
-def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()  # the model's own names (no wrapper prefix under xla_fsdp)
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def test_xla_losses_match_the_cpu_backend(one_device, cli, tiny_model, easy_data, tmp_path):
@@ -277,7 +270,7 @@ def test_xla_fsdp_over_four_devices_equals_one_device_with_a_quarter_on_each(fsd
     assert "optimizer state (adamw): 0.0 MiB (sharded over 4 devices)" in proc.stdout  # the plan per device
     torch.testing.assert_close(torch.tensor(train_losses(fsdp)), torch.tensor(train_losses(single)), rtol=1e-5,
                                atol=1e-6)
-    assert_same_weights(fsdp, single, rtol=1e-5, atol=1e-6)
+    assert_same_weights(fsdp, single, rtol=1e-5, atol=1e-6)  # under the model's own names: no wrapper prefix
     assert summary(fsdp)["eval"] == pytest.approx(summary(single)["eval"], rel=1e-5)
     weights, state = per_device_fraction(fsdp)
     assert 0.25 <= weights < 0.26 and 0.25 <= state < 0.26, (weights, state)
