@@ -100,6 +100,10 @@ def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
         weight = module.weight
         quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                       compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+        # On a CPU with AVX512-bf16, bitsandbytes (0.50) repacks a layer in place into an inference-only layout
+        # at its first forward without gradients (our evaluation), keeps that layout when training resumes,
+        # and fails for layers narrower than its 64-value blocks. One layout, the one training reads, on every CPU.
+        quantized.support_avx512bf16_for_cpu = False
         quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4").to(weight.device)
         if module.bias is not None:
             quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
