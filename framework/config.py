@@ -259,6 +259,10 @@ class FSDPConfig:
     """Load the pretrained weights on the first process only and broadcast them (less host memory)."""
     offload_params: bool = False
     """Keep parameters and gradients on the CPU between uses."""
+    state_dict: Literal["sharded", "full"] = "sharded"
+    """How checkpoints hold the model and optimizer: sharded (torch.distributed.checkpoint: each process writes
+    its own shards, no process ever holds the whole model) or full (gathered and written by the first process).
+    ``model/`` is always the full model in safetensors."""
 
 
 @dataclass

@@ -564,7 +564,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         "num_processes": acc.num_processes,
         "precision": acc.mixed_precision,
         "memory": memory.measured(device.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
-                                  device.peak_memory_bytes(acc), held=run.mesh.held_bytes),
+                                  device.peak_memory_bytes(acc), held=device.held_bytes(acc, run.mesh)),
         "memory_plan": run.memory_plan,
         "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
         "flops": {"trained": model_flops, "per_second": model_flops / fit_seconds,

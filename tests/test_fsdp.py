@@ -1,0 +1,152 @@
+"""FSDP2 for real on CPU processes (gloo; NCCL on GPUs under make test-gpu): accelerate's own FSDP2 path
+(device.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
+holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
+(torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
+pipeline(); a checkpoint refuses another process count by name.
+
+The tiny GPT-2 of tests/tiny_lm.yaml: its blocks are what FSDP wraps (transformer_based_wrap), its embedding
+is tied to the output layer."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_metrics
+from in_process import run_captured, train_ok
+from test_checkpoint import crash_then_resume, losses_by_step
+from test_language_models import lm_args
+from test_multinode import free_port
+
+CUDA = torch.cuda.is_available()
+# The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
+# deterministic kernels: on the CPU they are; on a GPU the resume is compared within the tolerance below.
+BACKEND = "backend=gpu" if CUDA else "backend=cpu"
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+# 12 optimizer steps of 8 blocks (21 per epoch: the kill below is mid-epoch), a sharded checkpoint every 4.
+COMMON = [BACKEND, "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
+          "train.cpu_threads=1"]
+# FSDP2 sums each gradient shard with a reduce-scatter, DDP with an all-reduce, one process in its own matrix
+# products: the same sums in another order, so fp32 rounding (about 6e-8 of each term) differs. Measured over the
+# 12 steps here: losses within 5e-7 of one process's (bitwise equal to DDP's), weights within 3.2e-6 absolute
+# (AdamW divides each update by sqrt(v), so tiny gradient differences move each weight by up to ~lr * 1e-3).
+WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
+LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def launch(processes: int = 2) -> list:
+    return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
+    """2 processes under accelerate_configs/fsdp.yaml with the default strategy (auto): FSDP2, sharded checkpoints."""
+    out = tmp_path_factory.mktemp("fsdp") / "out"
+    args = lm_args(word_tokenizer, corpus, out, *COMMON)
+    proc = cli_module(args, launch="fsdp.yaml", launch_args=launch())
+    return out, args, proc
+
+
+@pytest.fixture(scope="module")
+def cli_module(hf_home):
+    from conftest import cli_runner
+
+    return cli_runner(hf_home)
+
+
+def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
+    """What device.fsdp2_on_cpu_processes relies on (tests/scripts/fsdp_contract.py says each assumption)."""
+    proc = cli_module([str(free_port())], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "fsdp_contract.py",
+                      launch_args=launch())
+    assert "fsdp2 contract holds" in proc.stdout
+
+
+def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_run, cli_module, corpus,
+                                                                          word_tokenizer, hf_home, tmp_path):
+    out, _, proc = fsdp_run
+    assert "strategy: fsdp (version 2)" in proc.stdout and "num_processes: 2" in proc.stdout
+    ddp, one = tmp_path / "ddp", tmp_path / "one"
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch())
+    train_ok(lm_args(word_tokenizer, corpus, one, *COMMON, "train.batch_size=8"), hf_home)
+    fsdp_losses = torch.tensor(list(losses_by_step(out).values()))
+    assert len(fsdp_losses) == 12
+    for other in (ddp, one):
+        torch.testing.assert_close(fsdp_losses, torch.tensor(list(losses_by_step(other).values())), **LOSS_TOLERANCE)
+        w, expected = weights(out), weights(other)
+        assert w.keys() == expected.keys()  # the tied output layer is not saved twice
+        for name in w:
+            torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    ev = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    ev_one = [r for r in read_metrics(one) if "eval_loss" in r][-1]
+    assert ev["eval_tokens"] == ev_one["eval_tokens"]  # every eval token counted once over the 2 processes
+    assert ev["eval_loss"] == pytest.approx(ev_one["eval_loss"], rel=1e-5)
+
+
+def test_each_process_holds_half_of_the_states_as_the_plan_says(fsdp_run):
+    """summary.json's per_device bytes are read from the first process's local shards (DTensor.to_local()); the
+    plan counts FSDP2's chunks of each parameter's first dimension. The optimizer's step counters (one 4-byte
+    scalar per parameter tensor, not sharded) are all the two differ by."""
+    out, _, _ = fsdp_run
+    result = summary(out)
+    measured, plan = result["memory"], result["memory_plan"]
+    held = measured["per_device"]
+    for key in ("weight_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        ratio = held[key] / measured[key]
+        assert 0.5 <= ratio < 0.51, (key, ratio)
+    assert held["weight_bytes"] == plan["weight_bytes"] and held["gradient_bytes"] == plan["gradient_bytes"]
+    tensors = 2 + 2 * 12 + 2  # 2 embeddings; 2 blocks of 2 norms and 4 linear layers (weight, bias); the last norm
+    assert held["optimizer_state_bytes"] - plan["optimizer_state_bytes"] == 4 * tensors
+    assert plan["sharded"] == ["gradients", "optimizer_state", "weights"] and plan["shards"] == 2
+
+
+def test_model_is_the_full_model_in_safetensors_loadable_by_pipeline(fsdp_run):
+    from transformers import pipeline
+
+    out, _, _ = fsdp_run
+    w = weights(out)
+    vocab = json.loads((out / "model" / "config.json").read_text())["vocab_size"]
+    assert w["transformer.wte.weight"].shape == (vocab, 32)  # whole, not a shard
+    generate = pipeline("text-generation", model=str(out / "model"), device="cpu")
+    assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
+
+
+def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_process_count(
+        fsdp_run, hf_home, tmp_path, capsys):
+    out, args, _ = fsdp_run
+    step_8 = out / "checkpoints" / "step_8"
+    assert {p.name for p in step_8.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
+    assert {p.suffix for p in (step_8 / "pytorch_model_fsdp_0").iterdir()} == {".distcp", ""}  # shards, .metadata
+    resumed = tmp_path / "resumed"
+    resumed_args = [a if not a.startswith("output_dir=") else f"output_dir={resumed}" for a in args]
+    # Killed at micro-batch 10 of each process: after step 8's checkpoint, mid-epoch.
+    proc = crash_then_resume(hf_home, resumed_args, 10, launch="fsdp.yaml", launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    w, expected = weights(resumed), weights(out)
+    assert w.keys() == expected.keys()
+    for name in w:
+        if CUDA:
+            torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE)
+        else:
+            assert torch.equal(w[name], expected[name]), name
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(out)
+    assert summary(resumed)["train"]["resumed_from_step"] == 8
+
+    # One process cannot resume 2 processes' checkpoint (its data positions and effective batch): refused by name.
+    other = tmp_path / "one_process"
+    refused = run_captured([a if not a.startswith("output_dir=") else f"output_dir={other}" for a in args]
+                           + [f"checkpoint.resume={step_8}"], hf_home)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"checkpoint.resume: {step_8} was trained on 2 device(s)" in refused.stderr
