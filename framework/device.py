@@ -464,6 +464,11 @@ def for_generation(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_s
     if mesh.shard_parameters:
         return mesh.host_model(accelerator.unwrap_model(model))
     model = unwrap(accelerator, model, mesh)
+    if getattr(accelerator, "is_fsdp2", False):
+        # The weights FSDP2's root holds outside the wrapped blocks (embeddings, final norm) are gathered by the
+        # root's own forward, which a peft model's generate() bypasses (it calls the inner model's): gathered
+        # here instead, once; each block still gathers its own.
+        model.unshard()
     return model.to("cpu") if _on_xla(accelerator) else model
 
 
