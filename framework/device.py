@@ -84,6 +84,11 @@ def _auto_means_cpu(cfg: RunConfig) -> bool:
     return cfg.backend == "auto" and not _auto_xla(cfg) and not torch.cuda.is_available()
 
 
+def _on_cpu(cfg: RunConfig) -> bool:
+    """Whether the run trains on the CPU: asked for, or no CUDA device (XLA aside)."""
+    return cfg.backend == "cpu" or not torch.cuda.is_available()
+
+
 def check(cfg: RunConfig) -> None:
     """Refuse, before anything is built, the combinations that cannot work here."""
     backend, precision, strategy_ = cfg.backend, cfg.precision, strategy(cfg)
@@ -105,7 +110,7 @@ def check(cfg: RunConfig) -> None:
                             "install one (e.g. `pip install torchao`) or use precision=bf16")
     if strategy_ in ("xla_spmd", "xla_fsdp") and not (xla and has_xla()):
         raise UserError(f"distributed.strategy: {strategy_} needs backend=xla and torch_xla; {XLA_INSTALL}")
-    on_cpu = backend == "cpu" or not cuda
+    on_cpu = _on_cpu(cfg)
     if strategy_ == "deepspeed" and on_cpu:
         fix = ("use strategy=fsdp (FSDP2 runs on CPU processes) or strategy=ddp here"
                if strategy_ == cfg.distributed.strategy else
@@ -154,8 +159,15 @@ def _plugins(cfg: RunConfig) -> dict:
         wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
         # train.gradient_checkpointing under FSDP means FSDP's own activation checkpointing of each block.
         checkpointing = f.activation_checkpointing or cfg.train.gradient_checkpointing
+        offload = f.offload_params
+        if offload and f.version == 2:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned (page-locked) host memory exists for transfers to an accelerator: CPU processes have none
+            # (pin_memory raised "Cannot access accelerator device"), and their shards are in host memory anyway.
+            offload = CPUOffloadPolicy(pin_memory=not _on_cpu(cfg))
         options = dict(fsdp_version=f.version, auto_wrap_policy=wrap[f.auto_wrap_policy],
-                       activation_checkpointing=checkpointing, cpu_offload=f.offload_params,
+                       activation_checkpointing=checkpointing, cpu_offload=offload,
                        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading, min_num_params=f.min_num_params,
                        state_dict_type=f"{f.state_dict.upper()}_STATE_DICT")
         if f.version == 2:

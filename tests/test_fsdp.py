@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics
 from in_process import run_captured, train_ok
+from test_adapters import lora_lm_args, pretrained_lm  # noqa: F401  (a fixture)
 from test_checkpoint import crash_then_resume, losses_by_step
 from test_language_models import lm_args
-from test_multinode import free_port
+from test_multinode import free_port, machines, run_ok
 
 CUDA = torch.cuda.is_available()
 # The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
@@ -150,3 +151,152 @@ def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_pr
                            + [f"checkpoint.resume={step_8}"], hf_home)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert f"checkpoint.resume: {step_8} was trained on 2 device(s)" in refused.stderr
+
+
+# ---------------------------------------------------------------- make test-slow: variants of the run above
+
+
+def same_weights(a: Path, b: Path) -> None:
+    """Bitwise on the CPU (deterministic kernels, the same collectives); within the tolerance on GPUs."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if CUDA:
+            torch.testing.assert_close(wa[name], wb[name], **WEIGHT_TOLERANCE)
+        else:
+            assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_offload_and_plain_loading_train_what_the_default_does(fsdp_run, cli_module,
+                                                                                        tmp_path):
+    """Recomputing each block in backward, offloading the shards (CPUOffloadPolicy: the optimizer steps on the
+    host) and loading on every process instead of broadcasting from the first change where the numbers are, not
+    what they are."""
+    out, args, _ = fsdp_run
+    other = tmp_path / "options"
+    cli_module([*(a if not a.startswith("output_dir=") else f"output_dir={other}" for a in args),
+                "distributed.fsdp.activation_checkpointing=true", "distributed.fsdp.offload_params=true",
+                "distributed.fsdp.cpu_ram_efficient_loading=false"], launch="fsdp.yaml", launch_args=launch())
+    assert summary(other)["memory_plan"]["gradient_checkpointing"] is True
+    assert summary(other)["memory_plan"]["offloaded"] == ["gradients", "optimizer_state", "weights"]
+    same_weights(out, other)
+    assert losses_by_step(other) == losses_by_step(out) or CUDA
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_policy(fsdp_run, cli_module, tmp_path):
+    """precision bf16 under FSDP2: accelerate's MixedPrecisionPolicy computes in bf16 (all-gathers bf16 copies)
+    and keeps the fp32 shards the optimizer steps. bf16 keeps 8 bits of mantissa (relative rounding 2^-9): over 12
+    steps the losses stayed within 1e-3 of fp32's, the weights within 1.3e-2 (measured over 6 steps: 8e-4, 1.3e-2)."""
+    out, args, _ = fsdp_run
+    bf16 = tmp_path / "bf16"
+    proc = cli_module([*(a if not a.startswith("output_dir=") else f"output_dir={bf16}" for a in args), "precision=bf16"],
+                      launch="fsdp.yaml", launch_args=launch())
+    assert "precision: bf16" in proc.stdout and "strategy: fsdp (version 2)" in proc.stdout
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(bf16).values())),
+                               torch.tensor(list(losses_by_step(out).values())), rtol=0, atol=5e-3)
+    w, expected = weights(bf16), weights(out)
+    assert all(t.dtype == torch.float32 for t in w.values())  # the saved model is the fp32 shards, gathered
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], rtol=0, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_run, cli_module, hf_home,
+                                                                         corpus, word_tokenizer, tmp_path):
+    """distributed.fsdp.state_dict=full: the model and optimizer gathered into single files. With eval.metric
+    (here the highest loss: the first evaluation's, at step 4) model/ is the best model, saved from the shards
+    when it was evaluated: the weights of the sharded run's step_4 checkpoint, read with torch's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    full = [*COMMON, "distributed.fsdp.state_dict=full", "eval.every_steps=4", "eval.metric=loss",
+            "eval.greater_is_better=true"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cli_module(lm_args(word_tokenizer, corpus, whole, *full), launch="fsdp.yaml", launch_args=launch())
+    step_8 = whole / "checkpoints" / "step_8"
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= {p.name for p in step_8.iterdir()}
+    assert summary(whole)["best"]["step"] == 4
+    proc = crash_then_resume(hf_home, lm_args(word_tokenizer, corpus, resumed, *full), 10, launch="fsdp.yaml",
+                             launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    same_weights(whole, resumed)
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(whole) == losses_by_step(fsdp_run[0])
+
+    sharded_run = fsdp_run[0]
+    converted = tmp_path / "step_4.pt"
+    dcp_to_torch_save(sharded_run / "checkpoints" / "step_4" / "pytorch_model_fsdp_0", converted)
+    at_step_4 = torch.load(converted, weights_only=True)["model"]
+    best = weights(whole)
+    for name, tensor in best.items():
+        torch.testing.assert_close(tensor, at_step_4[name], rtol=0, atol=0 if not CUDA else 1e-5)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_and_resumes_exactly(
+        cli_module, hf_home, pretrained_lm, corpus, tmp_path):
+    """LoRA on the FSDP2-sharded base (frozen, sharded too): the adapter and the merged model equal DDP's (bitwise
+    on the CPU: only the adapters' small gradients are reduced, in the same order), pipeline() loads the merged
+    model, and a kill mid-epoch resumes to the same adapter."""
+    from transformers import pipeline
+
+    common = [BACKEND, "train.max_steps=12", "checkpoint.every_steps=4", "train.log_every=1", "peft.merge=true",
+              "train.cpu_threads=1"]
+    fsdp, ddp, resumed = tmp_path / "fsdp", tmp_path / "ddp", tmp_path / "resumed"
+    proc = cli_module(lora_lm_args(pretrained_lm, corpus, fsdp, *common, "distributed.strategy=fsdp"),
+                      launch="fsdp.yaml", launch_args=launch())
+    assert "strategy: fsdp (version 2)" in proc.stdout
+    cli_module(lora_lm_args(pretrained_lm, corpus, ddp, *common), launch="cpu_ddp.yaml", launch_args=launch())
+    adapter = load_file(fsdp / "model" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_A" in k for k in adapter)
+    expected = load_file(ddp / "model" / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == expected.keys()
+    for name in adapter:
+        torch.testing.assert_close(adapter[name], expected[name], rtol=0 if not CUDA else 1e-4,
+                                   atol=0 if not CUDA else 1e-5)
+    merged, merged_ddp = weights(fsdp), weights(ddp)
+    assert merged.keys() == merged_ddp.keys() and not any("lora" in k for k in merged)
+    for name in merged:
+        torch.testing.assert_close(merged[name], merged_ddp[name], rtol=0 if not CUDA else 1e-4,
+                                   atol=0 if not CUDA else 1e-5)
+    text = pipeline("text-generation", model=str(fsdp / "model"), device="cpu")("the king", max_new_tokens=4,
+                                                                                 do_sample=False)[0]["generated_text"]
+    assert text.startswith("the king")
+
+    proc = crash_then_resume(hf_home, lora_lm_args(pretrained_lm, corpus, resumed, *common, "distributed.strategy=fsdp"),
+                             10, launch="fsdp.yaml", launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    again = load_file(resumed / "model" / "adapter" / "adapter_model.safetensors")
+    for name in adapter:
+        assert torch.equal(adapter[name], again[name]) or CUDA, name
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(fsdp)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="two machines on one host: gloo")
+def test_two_machines_of_one_process_train_what_one_machine_of_two_does(fsdp_run, hf_home, tmp_path):
+    """accelerate_configs/multi_node.yaml, machine ranks 0 and 1 on this host, one process each, strategy fsdp."""
+    out, args, _ = fsdp_run
+    two = tmp_path / "two_machines"
+    main, _ = run_ok(machines([*(a if not a.startswith("output_dir=") else f"output_dir={two}" for a in args),
+                               "distributed.strategy=fsdp"], 2, hf_home, free_port()))
+    assert "num_processes: 2" in main and "strategy: fsdp (version 2)" in main
+    same_weights(out, two)
+    assert losses_by_step(two) == losses_by_step(out)
+
+
+@pytest.mark.slow
+def test_streaming_under_fsdp2_trains_what_ddp_does(cli_module, corpus, word_tokenizer, tmp_path):
+    """data.streaming: each process reads its own share of the stream; the token-normalised loss over both."""
+    stream = [*COMMON, "data.streaming=true", "data.shuffle_buffer=16", "eval.batches=2"]
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    cli_module(lm_args(word_tokenizer, corpus, fsdp, *stream), launch="fsdp.yaml", launch_args=launch())
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch())
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
+                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
+    w, expected = weights(fsdp), weights(ddp)
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE)
