@@ -127,7 +127,11 @@ def check(cfg: RunConfig) -> None:
     if strategy_ == "fsdp" and cfg.distributed.fsdp.version == 2 and \
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
-                        "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
+                        "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP; its hybrid "
+                        "sharding is distributed.fsdp.replicas)")
+    if cfg.distributed.fsdp.replicas > 1 and (strategy_ != "fsdp" or cfg.distributed.fsdp.version != 2):
+        raise UserError("distributed.fsdp.replicas: HSDP is FSDP2's; set distributed.strategy=fsdp with "
+                        "distributed.fsdp.version=2, or remove the key")
     if cfg.distributed.local_sgd_steps and (xla or strategy_ in ("fsdp", "deepspeed", "xla_spmd", "xla_fsdp")):
         where = "XLA" if xla else strategy_
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
@@ -212,6 +216,30 @@ def fsdp2_on_cpu_processes(accelerator: Accelerator, plugin) -> bool:
     return True
 
 
+def _hybrid_shard(accelerator: Accelerator, replicas: int) -> None:
+    """HSDP: accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes / replicas), set
+    up as ``Accelerator(parallelism_config=...)`` does (its device mesh, then its own validation), but after the
+    FSDP2 switch: given to the constructor, its validation would see CPU processes as MULTI_CPU and refuse them.
+    ``prepare`` then shards each replica over the mesh's dp_shard dimension (``fsdp2_prepare_model``)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    processes = accelerator.num_processes
+    if processes % replicas:
+        raise UserError(f"distributed.fsdp.replicas: {replicas} does not divide the {processes} processes; "
+                        f"launch a multiple of {replicas} processes or change the key")
+    config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes // replicas)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)
+
+
+def parameter_shards(accelerator: Accelerator) -> int:
+    """Over how many processes the sharded states are split: all of them, or under HSDP a replica's."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.dp_shard_size if config is not None and getattr(accelerator, "is_fsdp2", False) else \
+        accelerator.num_processes
+
+
 def _process_group_kwargs(cfg: RunConfig) -> list:
     """The process group's timeout, when the recipe sets one (``distributed.timeout_minutes``)."""
     from datetime import timedelta
@@ -252,6 +280,8 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
     except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
         raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
     fsdp2_on_cpu_processes(accelerator, plugins.get("fsdp_plugin"))
+    if getattr(accelerator, "is_fsdp2", False) and cfg.distributed.fsdp.replicas > 1:
+        _hybrid_shard(accelerator, cfg.distributed.fsdp.replicas)
     _check_launch(cfg, accelerator)
     if _on_xla(accelerator):
         _masks_without_host_reads()
@@ -367,6 +397,10 @@ def backend_name(accelerator: Accelerator) -> str:
 def strategy_name(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> str:
     kind = accelerator.distributed_type
     if kind == "FSDP":
+        config = getattr(accelerator, "parallelism_config", None)
+        if config is not None and config.dp_replicate_size > 1:
+            return (f"fsdp (version 2, HSDP: {config.dp_replicate_size} replicas x {config.dp_shard_size} "
+                    "shards)")
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
     if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"

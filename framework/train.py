@@ -156,7 +156,7 @@ def setup(cfg: RunConfig) -> Run:
     model = device.place_model(accelerator, model)
     seq_length = task.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
-    shards = mesh.parameter_shards if mesh.shard_parameters else accelerator.num_processes
+    shards = mesh.parameter_shards if mesh.shard_parameters else device.parameter_shards(accelerator)
     memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits)
     model_flops = flops.model_flops(model)
     peak, peak_source = device.peak_flops(accelerator)
