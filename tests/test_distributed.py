@@ -89,6 +89,9 @@ def args(tiny_model, easy_data, tmp_path):
     ("distributed.strategy=fsdp distributed.fsdp.version=1", "distributed.fsdp.version: 1 (FlatParameter FSDP) "
                                                              "needs CUDA GPUs"),
     ("distributed.strategy=deepspeed", "distributed.strategy: deepspeed needs CUDA GPUs"),
+    ("distributed.fsdp.replicas=2", "distributed.fsdp.replicas: HSDP is FSDP2's"),
+    ("distributed.strategy=fsdp distributed.fsdp.sharding_strategy=HYBRID_SHARD", "its hybrid sharding is "
+                                                                                "distributed.fsdp.replicas"),
     ("backend=gpu", "backend: gpu, but torch sees no CUDA device"),
     ("precision=fp16", "precision: fp16 needs a GPU"),
     ("precision=fp8", "precision: fp8 needs an fp8-capable GPU"),
