@@ -44,6 +44,11 @@ def launch(processes: int = 2) -> list:
     return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
 
 
+def into(args: list, out: Path) -> list:
+    """The same run's arguments with another output_dir."""
+    return [a if not a.startswith("output_dir=") else f"output_dir={out}" for a in args]
+
+
 def weights(out: Path) -> dict:
     return load_file(out / "model" / "model.safetensors")
 
@@ -132,7 +137,7 @@ def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_pr
     assert {p.name for p in step_8.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
     assert {p.suffix for p in (step_8 / "pytorch_model_fsdp_0").iterdir()} == {".distcp", ""}  # shards, .metadata
     resumed = tmp_path / "resumed"
-    resumed_args = [a if not a.startswith("output_dir=") else f"output_dir={resumed}" for a in args]
+    resumed_args = into(args, resumed)
     # Killed at micro-batch 10 of each process: after step 8's checkpoint, mid-epoch.
     proc = crash_then_resume(hf_home, resumed_args, 10, launch="fsdp.yaml", launch_args=launch())
     assert "resuming from" in proc.stdout and "step_8" in proc.stdout
@@ -149,8 +154,7 @@ def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_pr
 
     # One process cannot resume 2 processes' checkpoint (its data positions and effective batch): refused by name.
     other = tmp_path / "one_process"
-    refused = run_captured([a if not a.startswith("output_dir=") else f"output_dir={other}" for a in args]
-                           + [f"checkpoint.resume={step_8}"], hf_home)
+    refused = run_captured(into(args, other) + [f"checkpoint.resume={step_8}"], hf_home)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert f"checkpoint.resume: {step_8} was trained on 2 device(s)" in refused.stderr
 
@@ -177,7 +181,7 @@ def test_activation_checkpointing_offload_and_plain_loading_train_what_the_defau
     what they are."""
     out, args, _ = fsdp_run
     other = tmp_path / "options"
-    cli_module([*(a if not a.startswith("output_dir=") else f"output_dir={other}" for a in args),
+    cli_module([*into(args, other),
                 "distributed.fsdp.activation_checkpointing=true", "distributed.fsdp.offload_params=true",
                 "distributed.fsdp.cpu_ram_efficient_loading=false"], launch="fsdp.yaml", launch_args=launch())
     assert summary(other)["memory_plan"]["gradient_checkpointing"] is True
@@ -193,8 +197,7 @@ def test_bf16_mixed_precision_policy(fsdp_run, cli_module, tmp_path):
     steps the losses stayed within 1e-3 of fp32's, the weights within 1.3e-2 (measured over 6 steps: 8e-4, 1.3e-2)."""
     out, args, _ = fsdp_run
     bf16 = tmp_path / "bf16"
-    proc = cli_module([*(a if not a.startswith("output_dir=") else f"output_dir={bf16}" for a in args), "precision=bf16"],
-                      launch="fsdp.yaml", launch_args=launch())
+    proc = cli_module([*into(args, bf16), "precision=bf16"], launch="fsdp.yaml", launch_args=launch())
     assert "precision: bf16" in proc.stdout and "strategy: fsdp (version 2)" in proc.stdout
     torch.testing.assert_close(torch.tensor(list(losses_by_step(bf16).values())),
                                torch.tensor(list(losses_by_step(out).values())), rtol=0, atol=5e-3)
@@ -266,8 +269,9 @@ def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_an
                                                                                  do_sample=False)[0]["generated_text"]
     assert text.startswith("the king")
 
-    proc = crash_then_resume(hf_home, lora_lm_args(pretrained_lm, corpus, resumed, *common, "distributed.strategy=fsdp"),
-                             10, launch="fsdp.yaml", launch_args=launch())
+    proc = crash_then_resume(hf_home, lora_lm_args(pretrained_lm, corpus, resumed, *common,
+                                                   "distributed.strategy=fsdp"), 10, launch="fsdp.yaml",
+                             launch_args=launch())
     assert "resuming from" in proc.stdout and "step_8" in proc.stdout
     again = load_file(resumed / "model" / "adapter" / "adapter_model.safetensors")
     for name in adapter:
@@ -282,8 +286,7 @@ def test_two_machines_of_one_process_train_what_one_machine_of_two_does(fsdp_run
     """accelerate_configs/multi_node.yaml, machine ranks 0 and 1 on this host, one process each, strategy fsdp."""
     out, args, _ = fsdp_run
     two = tmp_path / "two_machines"
-    main, _ = run_ok(machines([*(a if not a.startswith("output_dir=") else f"output_dir={two}" for a in args),
-                               "distributed.strategy=fsdp"], 2, hf_home, free_port()))
+    main, _ = run_ok(machines([*into(args, two), "distributed.strategy=fsdp"], 2, hf_home, free_port()))
     assert "num_processes: 2" in main and "strategy: fsdp (version 2)" in main
     same_weights(out, two)
     assert losses_by_step(two) == losses_by_step(out)
