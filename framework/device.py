@@ -115,8 +115,8 @@ def check(cfg: RunConfig) -> None:
         fix = ("use strategy=fsdp (FSDP2 runs on CPU processes) or strategy=ddp here"
                if strategy_ == cfg.distributed.strategy else
                "launch with accelerate_configs/fsdp.yaml or accelerate_configs/cpu_ddp.yaml here")
-        raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs CUDA GPUs (DeepSpeed's ZeRO engine "
-                        f"runs on accelerators only); {fix}")
+        raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs CUDA GPUs (accelerate would silently "
+                        f"train plain data-parallel on the CPU); {fix}")
     if strategy_ == "fsdp" and on_cpu and cfg.distributed.fsdp.version == 1:
         raise UserError("distributed.fsdp.version: 1 (FlatParameter FSDP) needs CUDA GPUs (accelerate sets it up "
                         "on CPU processes only as plain data parallel); use distributed.fsdp.version=2, which "
