@@ -57,7 +57,7 @@ def pair_tokenizer(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(320, seed=1))
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +207,7 @@ def test_dpo_raises_reward_accuracy_and_reports_it(hf_home, pair_tokenizer, pair
     assert s["sample"]["prompt"].startswith("review :") and (out / "model" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ipo", "simpo"])
 def test_ipo_and_simpo_train(hf_home, pair_tokenizer, pair_data, tmp_path, loss):
     out = tmp_path / loss
@@ -235,7 +236,7 @@ def test_a_precomputed_reference_equals_the_frozen_copy(hf_home, pair_tokenizer,
 def test_lora_reference_is_the_base_with_the_adapter_off(hf_home, pair_tokenizer, pretrained, pair_data, tmp_path):
     """Under peft no copy is made: the reference is the model with its adapter switched off, which is the
     starting model: the same run as with its log-probabilities precomputed from the model as loaded."""
-    lora = ["model.config=null", f"model.name_or_path={pretrained}", "model.tokenizer=null", "+peft.r=4",
+    lora = ["model.config=null", f"model.name_or_path={pretrained}", "model.tokenizer=null", "peft.r=4",
             "optim.lr=1e-2", "train.max_steps=12", "train.log_every=2"]
     adapter_off, precomputed = tmp_path / "adapter_off", tmp_path / "precomputed"
     assert run_main(dpo_args(pair_tokenizer, pair_data, adapter_off, *lora), hf_home) == 0
@@ -247,6 +248,20 @@ def test_lora_reference_is_the_base_with_the_adapter_off(hf_home, pair_tokenizer
     assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
     assert abs(s["eval"]["reward_margin"] - summary(precomputed)["eval"]["reward_margin"]) < 1e-5
     assert s["eval"]["reward_margin"] > 0 and (adapter_off / "model" / "adapter_config.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_with_double_batch(cli, hf_home, pair_tokenizer, pair_data, tmp_path):
+    """DDP: each process holds its own frozen reference; the loss is normalised by the pairs of all processes."""
+    common = ["train.max_steps=8", "train.log_every=2"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    cli(dpo_args(pair_tokenizer, pair_data, two, "train.batch_size=4", *common), launch="cpu_ddp.yaml")
+    assert run_main(dpo_args(pair_tokenizer, pair_data, one, "train.batch_size=8", *common), hf_home) == 0
+    assert summary(two)["num_processes"] == 2
+    a, b = losses_by_step(two), losses_by_step(one)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a), (a, b)
+    assert summary(two)["eval"]["reward_margin"] == pytest.approx(summary(one)["eval"]["reward_margin"], abs=1e-5)
 
 
 def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tmp_path):
@@ -275,6 +290,9 @@ def bad_rows(case: str):
         rows[5]["chosen"] = "  "
     elif case == "missing":
         rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
+    elif case == "mixed":
+        rows[3]["chosen"] = [{"role": "assistant", "content": "fresh"}]
+        rows = [{**r, "chosen": json.dumps(r["chosen"]) if isinstance(r["chosen"], list) else r["chosen"]} for r in rows]
     elif case == "conversation":
         rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
                  "chosen": [{"role": "assistant", "content": r["chosen"]}],
@@ -286,7 +304,8 @@ def bad_rows(case: str):
     ("equal", "data.chosen_column: the row with prompt 'review : "),
     ("empty", "data.chosen_column: the row with prompt 'review : "),
     ("missing", "data.rejected_column: column 'rejected' is not in data.train_file"),
-    ("conversation", "data.chat_template: the rows are conversations and the tokenizer has no chat template"),
+    ("conversation", "data.chat_template: the tokenizer has no chat template of its own"),
+    ("mixed", "data.prompt_column: the row with prompt 'review : "),
 ])
 def test_bad_pairs_are_refused_naming_the_key(hf_home, pair_tokenizer, tmp_path, capsys, case, message):
     data = write_jsonl(tmp_path / "bad.jsonl", bad_rows(case))
@@ -302,3 +321,29 @@ def test_bad_dpo_keys_are_refused(hf_home, pair_tokenizer, pair_data, tmp_path, 
     assert run_main(args, hf_home) == 2
     err = capsys.readouterr().err
     assert "dpo.precompute_reference: simpo has no reference model" in err and "dpo.beta: 0 is out of range" in err
+
+
+# ---------------------------------------------------------------- XLA
+
+
+@pytest.mark.xla
+def test_dpo_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, pair_tokenizer, pair_data, tmp_path,
+                                                                            monkeypatch):
+    """Pairs padded to buckets (chosen and rejected in one batch, the reference in the same graph): twice the
+    steps and evaluations compile no new graph, and the losses are the CPU backend's."""
+    pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    common = ["data.pad_buckets=[16,32]", "eval.every_steps=4", "train.log_every=2"]
+    short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
+    cli(dpo_args(pair_tokenizer, pair_data, short, "backend=auto", "train.max_steps=8", *common))
+    cli(dpo_args(pair_tokenizer, pair_data, long, "backend=auto", "train.max_steps=16", *common))
+    cli(dpo_args(pair_tokenizer, pair_data, cpu, "backend=cpu", "data.padding=buckets", "train.max_steps=8", *common))
+    a, b, c = summary(short), summary(long), summary(cpu)
+    assert a["backend"] == "xla" and c["backend"] == "cpu"
+    assert b["xla"]["compiles"] == a["xla"]["compiles"], (a["xla"], b["xla"])
+    assert a["xla"]["transfers_in_steps"] == b["xla"]["transfers_in_steps"] == 0
+    xla_losses, cpu_losses = losses_by_step(short), losses_by_step(cpu)
+    assert xla_losses.keys() == cpu_losses.keys()
+    torch.testing.assert_close(torch.tensor(list(xla_losses.values())), torch.tensor(list(cpu_losses.values())),
+                               rtol=1e-4, atol=1e-5)
+    assert a["eval"]["reward_margin"] == pytest.approx(c["eval"]["reward_margin"], rel=1e-3, abs=1e-5)

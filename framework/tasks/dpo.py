@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import adapters, data
+from framework import adapters, chat, data
 from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
@@ -116,16 +116,16 @@ class DPO(CausalLM):
             if not isinstance(prompt, (str, list)):
                 raise UserError(f"data.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
                                 "or a conversation (a list of {role, content}); fix or remove the row")
-            values = {}
-            for key in KEYS[1:]:
-                value = row[columns[key]]
-                if not isinstance(value, (str, list)) or not _content(value).strip():
+            values = {key: row[columns[key]] for key in KEYS[1:]}
+            kinds = {key: chat.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
+                     else None for key, value in {"data.prompt_column": prompt, **values}.items()}
+            for key, value in values.items():
+                if kinds[key] is None or not _content(value).strip():
                     raise UserError(f"{key}: {where}: the completion '{columns[key]}' is empty (or not a string or a "
                                     "conversation); every pair needs two completions: fix or remove the row")
-                values[key] = value
-            if len({isinstance(v, list) for v in (prompt, *values.values())}) > 1:
-                raise UserError(f"data.prompt_column: {where}: the prompt and completions mix strings and "
-                                "conversations; make all three strings, or all three conversations")
+            if len(set(kinds.values())) > 1:
+                raise UserError(f"data.prompt_column: {where}: the prompt and completions mix text and "
+                                "conversations; make all three text, or all three conversations")
             if values["data.chosen_column"] == values["data.rejected_column"]:
                 raise UserError(f"data.chosen_column: {where}: chosen equals rejected ({_short(values[KEYS[1]])}), "
                                 "which teaches nothing; fix or remove the row")
@@ -143,7 +143,9 @@ class DPO(CausalLM):
                             "use a tokenizer with one")
         if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
+        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)  # before a new model sizes its vocabulary
         model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
         return model, tokenizer
 
@@ -171,12 +173,12 @@ class DPO(CausalLM):
         length; with ``dpo.precompute_reference``, the reference log-probabilities of both."""
         columns = self.columns(cfg)
         prompt_col, chosen_col, rejected_col = (columns[k] for k in KEYS)
-        length, template = cfg.data.max_length, chat_template(cfg, tokenizer)
+        length = cfg.data.max_length
 
         def tokenize(batch):
             out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": [], "length": []}
             for prompt, chosen, rejected in zip(batch[prompt_col], batch[chosen_col], batch[rejected_col]):
-                start, sequences = tokenize_pair(tokenizer, template, prompt, chosen, rejected)
+                start, sequences = tokenize_pair(tokenizer, prompt, chosen, rejected)
                 sequences = [ids[:length] for ids in sequences]
                 if min(len(ids) for ids in sequences) <= start:  # a completion cut away entirely
                     continue
@@ -186,7 +188,8 @@ class DPO(CausalLM):
                 out["length"].append(max(len(ids) for ids in sequences))
             return out
 
-        identity = (data.tokenizer_identity(tokenizer), template, prompt_col, chosen_col, rejected_col, length)
+        identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, prompt_col, chosen_col, rejected_col,
+                    length)
         ds = data.map_rows(ds, tokenize, identity, "Tokenizing pairs")
         if isinstance(ds, datasets.Dataset) and len(ds) == 0:
             raise UserError(f"data.max_length={length}: every pair's prompt fills data.max_length, leaving no "
@@ -294,41 +297,17 @@ class PairCollator:
         return batch
 
 
-def tokenize_pair(tokenizer, template: Optional[str], prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:
+def tokenize_pair(tokenizer, prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:
     """(where the completions start, [prompt + chosen ids, prompt + rejected ids]) as TRL's DPOTrainer tokenizes
-    them: strings with the tokenizer's special tokens and EOS after each completion; conversations through the
-    chat template, the prompt with its generation prompt. The completion starts where the tokenized prompt
-    and prompt + completion part (a token merging across the boundary belongs to the completion)."""
-    if isinstance(prompt, list):
-        if template is None:
-            raise UserError("data.chat_template: the rows are conversations and the tokenizer has no chat template; "
-                            "set data.chat_template (a jinja file)")
-
-        def ids(messages, **kwargs):
-            return list(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                                      return_dict=True, **kwargs)["input_ids"])
-
-        prompt_ids = ids(prompt, add_generation_prompt=True)
-        sequences = [ids(prompt + list(c)) for c in (chosen, rejected)]
-    else:
-        eos = tokenizer.eos_token
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        sequences = [tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in (chosen, rejected)]
-    start = min(_common_prefix(prompt_ids, ids) for ids in sequences)
-    return start, sequences
-
-
-def chat_template(cfg, tokenizer) -> Optional[str]:
-    """The chat template conversations are rendered with: ``data.chat_template`` (a jinja file), else the
-    tokenizer's own; None where there is none (plain-string rows need none; a conversation then fails)."""
-    path = cfg.data.chat_template
-    if path is None:
-        return getattr(tokenizer, "chat_template", None)
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError as e:
-        raise UserError(f"data.chat_template: cannot read the template file {path}: {e.strerror}") from None
+    them (``chat.prompt_completion_tokens``: text with EOS after the completion, conversations through the chat
+    template); the completions start where the prompt ends in both (the shorter of their common prefixes with
+    the tokenized prompt, as TRL takes it)."""
+    where = f"the row with prompt {_short(prompt)}"
+    if chat.maybe_conversation(prompt, where) is not None and not tokenizer.chat_template:
+        chat.use_template(tokenizer, None, needed=True)  # the error that names data.chat_template
+    pairs = [chat.prompt_completion_tokens(tokenizer, prompt, c, where) for c in (chosen, rejected)]
+    start = min(len(ids) - sum(mask) for ids, mask in pairs)
+    return start, [ids for ids, _ in pairs]
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -349,15 +328,6 @@ def evaluating(model: torch.nn.Module):
         yield
     finally:
         model.train(was_training)
-
-
-def _common_prefix(a: List[int], b: List[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _content(value) -> str:
