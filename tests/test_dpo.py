@@ -29,15 +29,16 @@ ROWS = [
 
 
 def pairs(n: int, seed: int):
-    """An easy preference task: a review with one positive or negative word; chosen is its right verdict."""
+    """An easy preference task: neutral words, then a positive or negative one that ends the prompt (what follows
+    it is a bigram a tiny model learns in a few steps); chosen is its right verdict."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         label = rng.choice(["pos", "neg"])
         words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 10))]
-        words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
+        word = rng.choice(POSITIVE if label == "pos" else NEGATIVE)
         chosen, rejected = ANSWERS[label]
-        rows.append({"prompt": f"review : {' '.join(words)} . sentiment :", "chosen": f" {chosen}",
+        rows.append({"prompt": f"review : {' '.join(words)} . sentiment : {word}", "chosen": f" {chosen}",
                      "rejected": f" {rejected}"})
     return rows
 
