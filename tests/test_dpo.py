@@ -357,8 +357,8 @@ def test_bad_dpo_keys_are_refused(hf_home, pair_tokenizer, pair_data, tmp_path, 
 
 
 @pytest.mark.xla
-def test_dpo_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, hf_home, pair_tokenizer, pair_data,
-                                                                            tmp_path, monkeypatch):
+def test_dpo_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, pair_tokenizer, pair_data, tmp_path,
+                                                                            monkeypatch):
     """Pairs padded to one length (chosen and rejected in one batch, the reference in the same graph): twice the
     steps and evaluations compile no new graph, and the losses are the CPU backend's."""
     pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
@@ -367,8 +367,7 @@ def test_dpo_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli,
     short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
     cli(dpo_args(pair_tokenizer, pair_data, short, "backend=auto", "train.max_steps=8", *common), timeout=1800)
     cli(dpo_args(pair_tokenizer, pair_data, long, "backend=auto", "train.max_steps=16", *common), timeout=1800)
-    assert run_main(dpo_args(pair_tokenizer, pair_data, cpu, "backend=cpu", "data.padding=buckets", "train.max_steps=8",
-                             *common), hf_home) == 0
+    cli(dpo_args(pair_tokenizer, pair_data, cpu, "backend=cpu", "data.padding=buckets", "train.max_steps=8", *common))
     a, b, c = summary(short), summary(long), summary(cpu)
     assert a["backend"] == "xla" and c["backend"] == "cpu"
     assert b["xla"]["compiles"] == a["xla"]["compiles"], (a["xla"], b["xla"])
