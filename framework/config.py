@@ -93,6 +93,16 @@ class DataConfig:
     """Optional second text column, for sentence-pair tasks."""
     label_column: str = "label"
     """Column holding the label: strings (mapped to ids in sorted order) or integers."""
+    prompt_column: str = "prompt"
+    """Post-training: the column holding the prompt (a string, or a conversation: a list of {role, content})."""
+    completion_column: str = "completion"
+    """sft: the column holding the completion of ``prompt_column`` (a string or a conversation)."""
+    chosen_column: str = "chosen"
+    """dpo: the column holding the preferred completion of ``prompt_column`` (a string or a conversation)."""
+    rejected_column: str = "rejected"
+    """dpo: the column holding the dispreferred completion of ``prompt_column`` (a string or a conversation)."""
+    chat_template: Optional[str] = None
+    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
     labels: Optional[List[str]] = None
     """Keep only rows whose label is one of these; their order gives the label ids."""
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"
@@ -325,9 +335,30 @@ class PeftConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (``task: dpo``): the policy learns to prefer ``chosen`` over ``rejected`` completions."""
+
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)), log-ratios
+    against the reference model; ipo: IPO (Azar et al. 2023), the squared distance of the per-token log-ratio
+    margin from 1/(2 beta), as TRL computes it; simpo: SimPO (Meng et al. 2024), reference-free,
+    -log sigmoid(beta * (mean chosen log-prob - mean rejected log-prob) - gamma), with no reference model at all."""
+    beta: float = _bounded(0.1, gt=0.0)
+    """How far the policy may move from the reference (sigmoid, ipo: the KL penalty's weight; ipo: the margin
+    target is 1/(2 beta)); simpo: the reward scale (SimPO's paper uses 2 to 10)."""
+    simpo_gamma: float = _bounded(0.5, ge=0.0)
+    """simpo: the target reward margin gamma (TRL's simpo_gamma; its paper's gamma/beta is 0.5 with beta 2)."""
+    precompute_reference: bool = False
+    """sigmoid, ipo: compute the reference model's log-probabilities of every pair once, before training (on the
+    host, cached with the tokenized data), so that training holds one model and runs one forward per step.
+    false: a frozen copy of the starting weights (with ``peft``: the same model with its adapter off) runs
+    beside the policy at every step."""
+
+
+@dataclass
 class RunConfig:
     task: str = "text_classification"
-    """What is trained: text_classification, causal_lm or masked_lm (``framework/tasks/``, one module each)."""
+    """What is trained: text_classification, causal_lm, masked_lm or dpo (``framework/tasks/``, one module each)."""
     seed: int = 42
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
@@ -351,6 +382,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference tuning's keys (``task: dpo``)."""
     peft: Optional[PeftConfig] = None
     """Adapters instead of full fine-tuning (see PeftConfig); null: every weight trains."""
     env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})

@@ -304,10 +304,18 @@ class LengthGroupedSampler(Sampler):
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
 
+def example_lengths(ds: datasets.Dataset) -> List[int]:
+    """Each example's length in tokens: its ``length`` column where the task gives one (a preference pair: its
+    longer sequence), else the length of its ``input_ids``."""
+    if "length" in ds.column_names:
+        return list(ds["length"])
+    return [len(ids) for ids in ds["input_ids"]]
+
+
 def longest_first(ds: datasets.Dataset) -> datasets.Dataset:
     """The evaluation order: longest examples first. Each eval batch then pads little (the metrics do not
     depend on the order), and the largest batch comes first, so one that does not fit fails at once."""
-    lengths = [len(ids) for ids in ds["input_ids"]]
+    lengths = example_lengths(ds)
     return ds.select(sorted(range(len(lengths)), key=lambda i: -lengths[i]))
 
 
@@ -315,4 +323,4 @@ def train_sampler(ds: datasets.Dataset, cfg: DataConfig, batch_size: int, seed: 
     """The training sampler, or None for a plain shuffle."""
     if not cfg.group_by_length:
         return None
-    return LengthGroupedSampler([len(ids) for ids in ds["input_ids"]], batch_size, seed)
+    return LengthGroupedSampler(example_lengths(ds), batch_size, seed)

@@ -10,7 +10,7 @@ floor for the peak, good for seeing which part dominates and whether a run canno
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -170,11 +170,13 @@ def logit_estimate(model_config: object, batch_size: int, seq_length: int) -> in
 
 def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
          distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
-         token_logits: bool = False) -> Dict[str, object]:
+         token_logits: bool = False, sequences: int = 1,
+         frozen: Sequence[torch.nn.Module] = ()) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
     sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
     ``data.max_length``), with ``token_logits`` (language models) the logits of every token, and their total
-    on the device (offloaded states excluded). Call it on the model as loaded, before
+    on the device (offloaded states excluded). ``sequences``: rows per example (a preference pair's two);
+    ``frozen``: models the task holds beside it (DPO's reference: their weights, replicated). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
     the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
     launch config is that strategy, with the recipe's settings).
@@ -201,10 +203,12 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
                                                          and distributed.fsdp.activation_checkpointing)
     seq_length = seq_length or cfg.data.max_length
     config = getattr(model, "config", None)
-    activations = activation_estimate(config, cfg.train.batch_size, seq_length, 4 if cfg.precision == "no" else 2,
-                                      checkpointing)
-    logits = logit_estimate(config, cfg.train.batch_size, seq_length) if token_logits else 0
-    on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
+    rows = cfg.train.batch_size * sequences
+    activations = activation_estimate(config, rows, seq_length, 4 if cfg.precision == "no" else 2, checkpointing)
+    logits = logit_estimate(config, rows, seq_length) if token_logits else 0
+    frozen_bytes = sum(weight_bytes(p) for m in frozen for p in m.parameters())
+    on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
+                 + frozen_bytes)
     return {
         "parameters": sum(parameter_count(p) for p in params),
         "trainable_parameters": trainable_count,
@@ -214,6 +218,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         "sharded": sorted(sharded),
         "offloaded": sorted(offloaded),
         "batch_size": cfg.train.batch_size,
+        "sequences_per_example": sequences,
         "seq_length": seq_length,
         "gradient_checkpointing": checkpointing,
         "weight_bytes": per_device["weights"],
@@ -221,6 +226,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         "optimizer_state_bytes": per_device["optimizer_state"],
         "activation_bytes": activations,
         "logit_bytes": logits,
+        "frozen_model_bytes": frozen_bytes,
         "total_bytes": on_device,
     }
 
@@ -256,7 +262,8 @@ def format_plan(plan: Dict[str, object]) -> str:
         activations = "unknown (no transformer config), not in the total"
     else:
         how = ", gradient checkpointing" if plan["gradient_checkpointing"] else ""
-        activations = (f"{_mib(plan['activation_bytes'])} (batch {plan['batch_size']} x {plan['seq_length']} "
+        rows = plan["batch_size"] * plan.get("sequences_per_example", 1)
+        activations = (f"{_mib(plan['activation_bytes'])} (batch {rows} x {plan['seq_length']} "
                        f"tokens, precision {plan['precision']}{how})")
     return "\n".join([
         "memory plan per device (rough, a floor for the peak):",
@@ -267,6 +274,8 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  activations: {activations}",
         *([f"  logits: {_mib(plan['logit_bytes'])} (batch x length x vocabulary, fp32, and their log-softmax)"]
           if plan["logit_bytes"] else []),
+        *([f"  frozen models (the task's reference, never trained): {_mib(plan['frozen_model_bytes'])}"]
+          if plan.get("frozen_model_bytes") else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
 

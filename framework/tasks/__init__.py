@@ -15,7 +15,10 @@ devices, checkpoints and reports know nothing else about it. A task owns:
   the accumulation and process count;
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
-- ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation).
+- ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
+- ``for_run(model, accelerator, cfg)``: the task as one run uses it. A task that needs more than the trained
+  model (DPO's frozen reference model) returns a copy of itself holding it on the accelerator's device, and
+  ``frozen_models()`` lists it for the memory plan; the loop only ever calls the task.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import datasets
 import numpy as np
 import torch
 
-TASKS = ("text_classification", "causal_lm", "masked_lm")
+TASKS = ("text_classification", "causal_lm", "masked_lm", "dpo")
 
 
 class Task:
@@ -36,6 +39,17 @@ class Task:
     metric: str  # the headline metric, printed at the end
     lower_is_better = ("loss", "perplexity")
     token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+    sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
+
+    def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
+        """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
+        or a copy holding what the run needs beside the model (placed on ``accelerator.device``)."""
+        return self
+
+    def frozen_models(self) -> List[torch.nn.Module]:
+        """Models this task holds on the device beside the trained one, never trained nor saved (the memory plan
+        counts their weights)."""
+        return []
 
     def check(self, cfg) -> List[str]:
         """Problems with the recipe keys this task reads, each naming its key."""

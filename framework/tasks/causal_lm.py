@@ -104,11 +104,15 @@ class CausalLM(LanguageModel):
     def forward(self, model, batch):
         return _logits_and_targets(model, batch)
 
+    def default_prompt(self, tokenizer, eval_ds) -> str:
+        """What the sample continues without ``eval.prompt``: the first 8 tokens of the first eval row."""
+        return tokenizer.decode(eval_ds[0]["input_ids"][:8])
+
     def sample(self, model, tokenizer, cfg, eval_ds) -> Optional[Dict[str, str]]:
-        """A short greedy generation from ``eval.prompt`` (default: the first 8 tokens of the first eval row)."""
+        """A short greedy generation from ``eval.prompt`` (default: ``default_prompt``)."""
         prompt = cfg.eval.prompt
         if prompt is None:
-            prompt = tokenizer.decode(eval_ds[0]["input_ids"][:8])
+            prompt = self.default_prompt(tokenizer, eval_ds)
         device = next(model.parameters()).device
         inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
         if inputs["input_ids"].shape[1] == 0:

@@ -1,0 +1,350 @@
+"""Preference tuning: DPO, IPO and SimPO on (prompt, chosen, rejected) rows.
+
+Recipe keys: the language-model keys (``model.name_or_path``, or ``model.config`` + ``model.tokenizer``),
+``data.prompt_column``, ``data.chosen_column``, ``data.rejected_column`` (strings, or conversations rendered
+with the chat template), ``data.chat_template``, ``data.max_length``, ``eval.prompt``, ``eval.max_new_tokens``,
+and the ``dpo`` section (``loss``, ``beta``, ``simpo_gamma``, ``precompute_reference``).
+
+Rows are tokenized as TRL's DPOTrainer does: the prompt, and the prompt followed by each completion (a string
+completion gets the EOS token); the completion starts where the two token sequences part. A pair's chosen and
+rejected sequences go through the model in one forward pass (one batch, chosen rows then rejected rows), and
+each sequence's log-probability is the sum over its completion tokens only (``completion_logps``). Sequences
+are cut at ``data.max_length`` from the end; a pair left without completion tokens is dropped.
+
+The reference model, for the losses that have one (sigmoid, ipo): a frozen copy of the starting weights on the
+accelerator's device (rebuilt from them on resume, so it is never in a checkpoint); with ``peft`` the trained
+model itself with its adapter switched off (no second copy); with ``dpo.precompute_reference`` its
+log-probabilities, computed once before training on the host and cached with the tokenized rows. SimPO has none.
+
+The loss is a sum over pairs; the loop divides it by the pairs of the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from contextlib import contextmanager, nullcontext
+from typing import Dict, List, Optional, Tuple
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from datasets.fingerprint import Hasher
+
+from framework import adapters, chat, data
+from framework.errors import UserError
+from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config
+from framework.tasks.language import IGNORE
+
+ADAPTER_OFF = "adapter off"  # the reference under peft: the trained model with its adapter disabled
+KEYS = ("data.prompt_column", "data.chosen_column", "data.rejected_column")
+
+
+def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-probability of its completion tokens (``labels`` other than IGNORE; fp32) and
+    how many there are. One function from (model, batch), so that a chunked cross-entropy can replace it."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # shift the targets, not the logits (no copy)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none").view(targets.shape)
+    return -losses.sum(dim=1), (targets != IGNORE).sum(dim=1)
+
+
+def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
+                reference: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Per pair: the loss, the rewards of chosen and rejected, and the policy's log-probabilities, from the
+    concatenated [chosen; rejected] rows' summed log-probabilities (``logps``), completion token ``counts``
+    and the reference's summed log-probabilities (None for simpo). The formulas are TRL's: DPOTrainer's
+    sigmoid and ipo (ipo on per-token log-ratios), CPOTrainer's simpo (per-token log-probabilities, with
+    cpo_alpha 0: no NLL term)."""
+    chosen, rejected = logps.chunk(2)
+    chosen_n, rejected_n = counts.to(logps.dtype).clamp(min=1).chunk(2)
+    beta = dpo.beta
+    if dpo.loss == "simpo":
+        chosen_score, rejected_score = chosen / chosen_n, rejected / rejected_n
+        loss = -F.logsigmoid(beta * (chosen_score - rejected_score) - dpo.simpo_gamma)
+    else:
+        ref_chosen, ref_rejected = reference.chunk(2)
+        chosen_score, rejected_score = chosen - ref_chosen, rejected - ref_rejected
+        if dpo.loss == "sigmoid":
+            loss = -F.logsigmoid(beta * (chosen_score - rejected_score))
+        else:  # ipo
+            loss = (chosen_score / chosen_n - rejected_score / rejected_n - 1 / (2 * beta)) ** 2
+    return {"loss": loss, "rewards_chosen": beta * chosen_score.detach(),
+            "rewards_rejected": beta * rejected_score.detach(), "logps_chosen": chosen.detach(),
+            "logps_rejected": rejected.detach()}
+
+
+class DPO(CausalLM):
+    name = "dpo"
+    metric = "reward_accuracy"
+    sequences_per_example = 2
+    reads = ("data.max_length", *KEYS, "data.chat_template", "eval.prompt", "eval.max_new_tokens", "dpo")
+
+    def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
+        self.dpo = dpo  # the run's dpo section (for_run)
+        self.reference = reference  # None (simpo, or precomputed), a frozen module, or ADAPTER_OFF
+        self.autocast, self.unwrap = autocast, unwrap
+
+    # ------------------------------------------------------------ recipe keys, model
+
+    def check(self, cfg) -> List[str]:
+        problems = super().check(cfg)
+        d = cfg.dpo
+        if d.precompute_reference and d.loss == "simpo":
+            problems.append("dpo.precompute_reference: simpo has no reference model; remove it")
+        if d.precompute_reference and cfg.data.streaming:
+            problems.append("dpo.precompute_reference: a stream is never all read before training; set "
+                            "data.streaming=false or dpo.precompute_reference=false")
+        return problems
+
+    def metric_names(self):
+        return ("loss", "reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected")
+
+    def columns(self, cfg) -> Dict[str, str]:
+        d = cfg.data
+        return dict(zip(KEYS, (d.prompt_column, d.chosen_column, d.rejected_column)))
+
+    def keep_row(self, cfg):
+        """Every row must be usable: a bad one stops the run with its prompt in the message."""
+        columns = self.columns(cfg)
+
+        def check(row) -> bool:
+            prompt = row[columns["data.prompt_column"]]
+            where = f"the row with prompt {_short(prompt)}"
+            if not isinstance(prompt, (str, list)):
+                raise UserError(f"data.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
+                                "or a conversation (a list of {role, content}); fix or remove the row")
+            values = {key: row[columns[key]] for key in KEYS[1:]}
+            kinds = {key: chat.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
+                     else None for key, value in {"data.prompt_column": prompt, **values}.items()}
+            for key, value in values.items():
+                if kinds[key] is None or not _content(value).strip():
+                    raise UserError(f"{key}: {where}: the completion '{columns[key]}' is empty (or not a string or a "
+                                    "conversation); every pair needs two completions: fix or remove the row")
+            if len(set(kinds.values())) > 1:
+                raise UserError(f"data.prompt_column: {where}: the prompt and completions mix text and "
+                                "conversations; make all three text, or all three conversations")
+            if values["data.chosen_column"] == values["data.rejected_column"]:
+                raise UserError(f"data.chosen_column: {where}: chosen equals rejected ({_short(values[KEYS[1]])}), "
+                                "which teaches nothing; fix or remove the row")
+            return True
+
+        return check
+
+    def load(self, cfg, train, evaluation):
+        m = cfg.model
+        if m.config is None:  # the model's kind first: the most basic mistake
+            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+        tokenizer, key = self.tokenizer(cfg)
+        if tokenizer.eos_token_id is None:
+            raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
+                            "use a tokenizer with one")
+        if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
+            tokenizer.pad_token = tokenizer.eos_token
+        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)  # before a new model sizes its vocabulary
+        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
+        data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
+        return model, tokenizer
+
+    def sequence_length(self, cfg, model) -> int:
+        return cfg.data.max_length
+
+    def for_run(self, model, accelerator, cfg) -> "DPO":
+        """A copy of this task holding the run's ``dpo`` keys and, where a reference model runs at every step,
+        that model. Made from the model as loaded, so that it is the starting weights, on a resume too."""
+        sharded = accelerator.distributed_type.name in ("FSDP", "DEEPSPEED")
+        if sharded and cfg.dpo.loss != "simpo":
+            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under {accelerator.distributed_type.name} "
+                            "yet (its weights load on the first process only); use distributed.strategy=ddp, or "
+                            "dpo.loss=simpo (no reference)")
+        if cfg.dpo.loss == "simpo" or cfg.dpo.precompute_reference:
+            reference = None
+        elif adapters.is_adapted(model):
+            reference = ADAPTER_OFF
+        else:
+            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+        return DPO(cfg.dpo, reference, accelerator.autocast, accelerator.unwrap_model)
+
+    def frozen_models(self) -> List[torch.nn.Module]:
+        return [self.reference] if isinstance(self.reference, torch.nn.Module) else []
+
+    # ------------------------------------------------------------ data
+
+    def prepare(self, ds, tokenizer, model, cfg):
+        """Rows -> each pair's chosen and rejected token sequences, where its completion starts, and its
+        length; with ``dpo.precompute_reference``, the reference log-probabilities of both."""
+        columns = self.columns(cfg)
+        prompt_col, chosen_col, rejected_col = (columns[k] for k in KEYS)
+        length = cfg.data.max_length
+
+        def tokenize(batch):
+            out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": [], "length": []}
+            for prompt, chosen, rejected in zip(batch[prompt_col], batch[chosen_col], batch[rejected_col]):
+                start, sequences = tokenize_pair(tokenizer, prompt, chosen, rejected)
+                sequences = [ids[:length] for ids in sequences]
+                if min(len(ids) for ids in sequences) <= start:  # a completion cut away entirely
+                    continue
+                out["prompt_length"].append(start)
+                out["chosen_ids"].append(sequences[0])
+                out["rejected_ids"].append(sequences[1])
+                out["length"].append(max(len(ids) for ids in sequences))
+            return out
+
+        identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, prompt_col, chosen_col, rejected_col,
+                    length)
+        ds = data.map_rows(ds, tokenize, identity, "Tokenizing pairs")
+        if isinstance(ds, datasets.Dataset) and len(ds) == 0:
+            raise UserError(f"data.max_length={length}: every pair's prompt fills data.max_length, leaving no "
+                            "completion token; raise data.max_length (or shorten the prompts)")
+        if cfg.dpo.precompute_reference:
+            ds = self._with_reference(ds, tokenizer, model, cfg)
+        return ds
+
+    def _with_reference(self, ds: datasets.Dataset, tokenizer, model, cfg) -> datasets.Dataset:
+        """The reference log-probabilities as two more columns, computed with the starting weights (``model``
+        as loaded, on the host) and cached under a fingerprint of the rows and of those weights."""
+        collate = self.collator(tokenizer, cfg, None)
+        was_training = model.training
+        model.eval()
+
+        def reference(batch):
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            with torch.no_grad():
+                logps = completion_logps(model, collate(rows))[0]
+            chosen, rejected = logps.chunk(2)
+            return {"ref_chosen_logps": chosen.tolist(), "ref_rejected_logps": rejected.tolist()}
+
+        batch_size = cfg.train.eval_batch_size or 2 * cfg.train.batch_size
+        ds = ds.map(reference, batched=True, batch_size=batch_size, desc="Reference log-probabilities",
+                    new_fingerprint=Hasher.hash((ds._fingerprint, weights_digest(model), "reference")))
+        model.train(was_training)
+        return ds
+
+    def collator(self, tokenizer, cfg, buckets, rows=None):
+        return PairCollator(tokenizer.pad_token_id, buckets, rows)
+
+    # ------------------------------------------------------------ loss and metrics
+
+    def targets(self, batch: Dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2  # pairs
+
+    def _outputs(self, model, batch) -> Dict[str, torch.Tensor]:
+        logps, counts = completion_logps(model, batch)
+        return pair_losses(self.dpo, logps, counts, self._reference_logps(model, batch))
+
+    def _reference_logps(self, model, batch) -> Optional[torch.Tensor]:
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        if self.reference is None:
+            return None
+        with torch.no_grad(), self.autocast():
+            if self.reference is ADAPTER_OFF:
+                inner = self.unwrap(model)
+                with inner.disable_adapter(), evaluating(inner):
+                    return completion_logps(inner, batch)[0]
+            return completion_logps(self.reference, batch)[0]
+
+    def loss_sum(self, model, batch) -> torch.Tensor:
+        return self._outputs(model, batch)["loss"].sum()
+
+    def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
+        return self._outputs(model, batch)
+
+    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+        """Means over pairs, as TRL logs them (rewards/accuracies counts chosen > rejected, a tie as wrong)."""
+        chosen, rejected = gathered["rewards_chosen"], gathered["rewards_rejected"]
+        return {"loss": float(gathered["loss"].mean(dtype=np.float64)),
+                "reward_accuracy": float((chosen > rejected).mean()),
+                "reward_margin": float((chosen - rejected).mean(dtype=np.float64)),
+                "rewards_chosen": float(chosen.mean(dtype=np.float64)),
+                "rewards_rejected": float(rejected.mean(dtype=np.float64)),
+                "logps_chosen": float(gathered["logps_chosen"].mean(dtype=np.float64)),
+                "logps_rejected": float(gathered["logps_rejected"].mean(dtype=np.float64)),
+                "pairs": int(len(chosen))}
+
+    def default_prompt(self, tokenizer, eval_ds) -> str:
+        """The first eval pair's prompt: the sample is the model's own answer to it."""
+        row = eval_ds[0]
+        return tokenizer.decode(row["chosen_ids"][:row["prompt_length"]])
+
+
+class PairCollator:
+    """Pairs -> one batch of 2 x pairs rows (every chosen sequence, then every rejected one), padded to the
+    longest (or to the smallest bucket that fits: static shapes); labels are the completion tokens only."""
+
+    def __init__(self, pad_id: int, buckets: Optional[List[int]], rows: Optional[int] = None):
+        self.pad_id, self.buckets, self.rows = pad_id, buckets, rows
+
+    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
+        real = len(features)
+        if self.rows is not None:
+            features = features + [features[0]] * (self.rows - real)
+        sequences = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+        starts = [f["prompt_length"] for f in features] * 2
+        longest = max(len(ids) for ids in sequences)
+        length = longest if self.buckets is None else next(b for b in self.buckets if b >= longest)
+        input_ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        labels = torch.full((len(sequences), length), IGNORE, dtype=torch.long)
+        for i, (ids, start) in enumerate(zip(sequences, starts)):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            attention_mask[i, :len(ids)] = 1
+            labels[i, start:len(ids)] = input_ids[i, start:len(ids)]
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if "ref_chosen_logps" in features[0]:
+            batch["reference_logps"] = torch.tensor([f["ref_chosen_logps"] for f in features]
+                                                    + [f["ref_rejected_logps"] for f in features], dtype=torch.float32)
+        if self.rows is not None:
+            batch["valid"] = torch.arange(self.rows) < real
+        return batch
+
+
+def tokenize_pair(tokenizer, prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:
+    """(where the completions start, [prompt + chosen ids, prompt + rejected ids]) as TRL's DPOTrainer tokenizes
+    them (``chat.prompt_completion_tokens``: text with EOS after the completion, conversations through the chat
+    template); the completions start where the prompt ends in both (the shorter of their common prefixes with
+    the tokenized prompt, as TRL takes it)."""
+    where = f"the row with prompt {_short(prompt)}"
+    if chat.maybe_conversation(prompt, where) is not None and not tokenizer.chat_template:
+        chat.use_template(tokenizer, None, needed=True)  # the error that names data.chat_template
+    pairs = [chat.prompt_completion_tokens(tokenizer, prompt, c, where) for c in (chosen, rejected)]
+    start = min(len(ids) - sum(mask) for ids, mask in pairs)
+    return start, [ids for ids, _ in pairs]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A SHA-256 of every weight (names, dtypes, values): what cached reference log-probabilities depend on."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module):
+    """``model`` in eval mode (no dropout: the reference is deterministic and draws no random numbers)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _content(value) -> str:
+    """The text of a completion: a string, or a conversation's message contents."""
+    if isinstance(value, str):
+        return value
+    return "".join(str(m.get("content") or "") if isinstance(m, dict) else "" for m in value)
+
+
+def _short(value) -> str:
+    text = _content(value) if isinstance(value, (str, list)) else str(value)
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+TASK = DPO()

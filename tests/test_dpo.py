@@ -1,0 +1,379 @@
+"""Preference tuning (task dpo): the loss, rewards and reward accuracy equal TRL's DPOTrainer (sigmoid, ipo) and
+CPOTrainer (simpo) on a fixed batch; training through the real CLI raises reward accuracy; the three ways of
+having a reference (a frozen copy, peft's adapter switched off, precomputed log-probabilities) give the same
+run; a run killed and resumed is bitwise the uninterrupted one; bad rows are refused naming the key."""
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT, read_metrics
+from in_process import run_main
+from test_checkpoint import crash_then_resume, losses_by_step
+
+TINY_DPO = Path(__file__).resolve().parent / "tiny_dpo.yaml"
+GPT2 = ROOT / "assets" / "gpt2-tokenizer"
+ANSWERS = {"pos": ("fresh", "rotten"), "neg": ("rotten", "fresh")}
+# A fixed batch for the comparisons with TRL: uneven prompts and completions, completions of several tokens,
+# and a prompt ending mid-word (its last token merges with the completion's first: TRL's common prefix).
+ROWS = [
+    {"prompt": "Review: the movie was good.\nSentiment:", "chosen": " fresh", "rejected": " rotten"},
+    {"prompt": "Review: a dull film with some music.\nSentiment:", "chosen": " rotten", "rejected": " fresh, fresh"},
+    {"prompt": "Review: lovely sto", "chosen": "ry and a great ending. Fresh", "rejected": "p it. Rotten"},
+    {"prompt": "Review: boring", "chosen": " and rotten", "rejected": " but very fine, superb acting"},
+]
+
+
+def pairs(n: int, seed: int):
+    """An easy preference task: neutral words, then a positive or negative one that ends the prompt (what follows
+    it is a bigram a tiny model learns in a few steps); chosen is its right verdict."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 10))]
+        word = rng.choice(POSITIVE if label == "pos" else NEGATIVE)
+        chosen, rejected = ANSWERS[label]
+        rows.append({"prompt": f"review : {' '.join(words)} . sentiment : {word}", "chosen": f" {chosen}",
+                     "rejected": f" {rejected}"})
+    return rows
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair_tokenizer(tmp_path_factory) -> Path:
+    from framework.testing import save_word_tokenizer
+
+    words = POSITIVE + NEGATIVE + NEUTRAL + ["review", "sentiment", "fresh", "rotten", ":", "."]
+    return save_word_tokenizer(tmp_path_factory.mktemp("pair_tokenizer"), words)
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, pair_tokenizer) -> Path:
+    """A tiny GPT-2 (random, seeded) saved with the word tokenizer: a pretrained model for LoRA to adapt."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("tiny_gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(pair_tokenizer)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2_config(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def gpt2_config(tokenizer):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str):
+    return ["--config", str(TINY_DPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
+            f"output_dir={out}", *extra]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+# ---------------------------------------------------------------- TRL
+
+
+def gpt2_models():
+    """A GPT-2 tokenizer, a tiny policy and a differently seeded reference (so the rewards are not zero)."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    if not (GPT2 / "tokenizer.json").exists():
+        pytest.fail(f"{GPT2} is missing: run `make install` (or `python tools/assets.py assets`)")
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(gpt2_config(tokenizer))
+    torch.manual_seed(1)
+    reference = GPT2LMHeadModel(gpt2_config(tokenizer)).eval()
+    return tokenizer, policy, reference
+
+
+def ours(tokenizer, policy, reference, batch_or_rows, **dpo):
+    """Our per-pair outputs and metrics: from raw rows (prepared and collated by the task), or from a batch."""
+    import datasets
+
+    from framework.config import DataConfig, DpoConfig, RunConfig
+    from framework.tasks.dpo import DPO
+
+    cfg = RunConfig(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(**dpo))
+    task = DPO(cfg.dpo, reference)
+    if isinstance(batch_or_rows, list):
+        features = task.prepare(datasets.Dataset.from_list(batch_or_rows), tokenizer, policy, cfg)
+        batch = task.collator(tokenizer, cfg, None)(list(features))
+    else:
+        batch = batch_or_rows
+    with torch.no_grad():
+        outputs = task.eval_outputs(policy, batch)
+    return batch, task.metrics({k: v.numpy() for k, v in outputs.items()})
+
+
+def assert_metrics_equal_trl(mine: dict, trl: dict, loss: float, logps: bool = True) -> None:
+    """Ours against TRL's logged figures, each within 1e-5; ``logps``: the summed log-probabilities too (CPOTrainer
+    logs per-token means for simpo, which its rewards, beta times them, already compare)."""
+    got = {"loss": mine["loss"], "rewards/chosen": mine["rewards_chosen"], "rewards/rejected": mine["rewards_rejected"],
+           "rewards/accuracies": mine["reward_accuracy"], "rewards/margins": mine["reward_margin"]}
+    if logps:
+        got.update({"logps/chosen": mine["logps_chosen"], "logps/rejected": mine["logps_rejected"]})
+    want = {"loss": loss, **{k: trl[k] for k in got if k != "loss"}}
+    print("TRL differences:", {key: got[key] - want[key] for key in got})
+    for key in got:
+        assert abs(got[key] - want[key]) <= 1e-5, (key, got[key], want[key])
+    assert 0 < mine["reward_accuracy"] < 1 and abs(mine["reward_margin"]) > 1e-3  # a batch that tells apart
+
+
+def test_dpo_and_ipo_equal_trl_dpo_trainer(tmp_path):
+    """TRL's DPOTrainer tokenizes the same rows and computes its loss and logged metrics on its own batch, for
+    sigmoid and then ipo (one trainer: building one takes seconds): the token sequences and completion masks are
+    ours, and the figures equal ours within 1e-5."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer, policy, reference = gpt2_models()
+    args = DPOConfig(output_dir=str(tmp_path), beta=0.3, loss_type=["sigmoid"], per_device_train_batch_size=len(ROWS),
+                     report_to=[], use_cpu=True, bf16=False, max_length=1024)
+    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args,
+                         train_dataset=datasets.Dataset.from_list(ROWS), processing_class=tokenizer)
+    trl_batch = next(iter(trainer.get_train_dataloader()))
+
+    def sequences(input_ids, attention_mask, completion_mask):
+        return sorted((tuple(i[m.bool()].tolist()), tuple(c[m.bool()].tolist()))
+                      for i, m, c in zip(input_ids, attention_mask, completion_mask))
+
+    for loss in ("sigmoid", "ipo"):
+        trainer.loss_types = [loss]  # what DPOConfig(loss_type=[loss]) sets
+        with torch.no_grad():
+            trl_loss = float(trainer.compute_loss(trainer.model, trl_batch))
+        trl = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        batch, mine = ours(tokenizer, policy, reference, ROWS, loss=loss, beta=0.3)
+        completion = (batch["labels"] != -100).long()
+        assert sequences(batch["input_ids"], batch["attention_mask"], completion) == sequences(
+            trl_batch["input_ids"], trl_batch["attention_mask"], trl_batch["completion_mask"])
+        assert_metrics_equal_trl(mine, trl, trl_loss)
+
+
+def test_simpo_equals_trl_cpo_trainer(tmp_path):
+    """SimPO is TRL's CPOTrainer with loss_type simpo and cpo_alpha 0 (no NLL term): on CPOTrainer's own batch
+    (its tokenization differs from DPOTrainer's), our loss and metrics equal its within 1e-5."""
+    import datasets
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    tokenizer, policy, _ = gpt2_models()
+    args = CPOConfig(output_dir=str(tmp_path), beta=2.0, loss_type="simpo", simpo_gamma=0.7, cpo_alpha=0.0,
+                     per_device_train_batch_size=len(ROWS), report_to=[], use_cpu=True, bf16=False)
+    trainer = CPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=datasets.Dataset.from_list(ROWS),
+                         processing_class=tokenizer)
+    trl_batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        trl_loss, trl = trainer.get_batch_loss_metrics(trainer.model, trl_batch)
+    joined = trainer.concatenated_inputs(trl_batch, is_encoder_decoder=False, padding_value=tokenizer.pad_token_id)
+    batch = {"input_ids": joined["concatenated_input_ids"], "attention_mask": joined["concatenated_attention_mask"],
+             "labels": joined["concatenated_labels"]}
+    _, mine = ours(tokenizer, policy, None, batch, loss="simpo", beta=2.0, simpo_gamma=0.7)
+    assert_metrics_equal_trl(mine, trl, float(trl_loss), logps=False)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def test_dpo_raises_reward_accuracy_and_reports_it(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_main(dpo_args(pair_tokenizer, pair_data, out, "eval.every_steps=10"), hf_home) == 0
+    printed = capsys.readouterr().out
+    s = summary(out)
+    assert "frozen models (the task's reference, never trained)" in printed  # the plan counts the reference
+    assert s["memory_plan"]["frozen_model_bytes"] == s["memory"]["weight_bytes"] > 0
+    evals = [r for r in read_metrics(out) if "eval_reward_accuracy" in r]
+    assert evals[-1]["eval_reward_accuracy"] >= 0.9 and s["eval"]["reward_accuracy"] == evals[-1]["eval_reward_accuracy"]
+    assert s["eval"]["reward_margin"] > 0.5 and s["eval"]["rewards_chosen"] > s["eval"]["rewards_rejected"]
+    assert s["eval"]["logps_chosen"] > s["eval"]["logps_rejected"] and s["eval"]["pairs"] == 20
+    assert s["sample"]["prompt"].startswith("review :") and (out / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["ipo", "simpo"])
+def test_ipo_and_simpo_train(hf_home, pair_tokenizer, pair_data, tmp_path, loss):
+    out = tmp_path / loss
+    extra = ["dpo.beta=2.0"] if loss == "simpo" else []
+    assert run_main(dpo_args(pair_tokenizer, pair_data, out, f"dpo.loss={loss}", *extra), hf_home) == 0
+    s = summary(out)
+    assert s["eval"]["reward_accuracy"] >= 0.8, s["eval"]
+    assert s["memory_plan"]["frozen_model_bytes"] == (0 if loss == "simpo" else s["memory"]["weight_bytes"])
+
+
+def test_a_precomputed_reference_equals_the_frozen_copy(hf_home, pair_tokenizer, pair_data, tmp_path):
+    """The reference's log-probabilities computed once before training (one model in memory) give the run that
+    a frozen copy computing them at every step gives."""
+    copy_run, precomputed = tmp_path / "copy", tmp_path / "precomputed"
+    common = ["train.max_steps=12", "train.log_every=2"]
+    assert run_main(dpo_args(pair_tokenizer, pair_data, copy_run, *common), hf_home) == 0
+    assert run_main(dpo_args(pair_tokenizer, pair_data, precomputed, *common, "dpo.precompute_reference=true"),
+                    hf_home) == 0
+    assert summary(precomputed)["memory_plan"]["frozen_model_bytes"] == 0
+    a, b = losses_by_step(copy_run), losses_by_step(precomputed)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
+    for key, value in summary(copy_run)["eval"].items():
+        assert abs(summary(precomputed)["eval"][key] - value) < 1e-5, key
+
+
+def test_lora_reference_is_the_base_with_the_adapter_off(hf_home, pair_tokenizer, pretrained, pair_data, tmp_path):
+    """Under peft no copy is made: the reference is the model with its adapter switched off, which is the
+    starting model: the same run as with its log-probabilities precomputed from the model as loaded."""
+    lora = ["model.config=null", f"model.name_or_path={pretrained}", "model.tokenizer=null", "peft.r=4",
+            "optim.lr=1e-2", "train.max_steps=12", "train.log_every=2"]
+    adapter_off, precomputed = tmp_path / "adapter_off", tmp_path / "precomputed"
+    assert run_main(dpo_args(pair_tokenizer, pair_data, adapter_off, *lora), hf_home) == 0
+    assert run_main(dpo_args(pair_tokenizer, pair_data, precomputed, *lora, "dpo.precompute_reference=true"),
+                    hf_home) == 0
+    s = summary(adapter_off)
+    assert s["memory_plan"]["frozen_model_bytes"] == 0 and s["memory"]["trainable_parameters"] < 10_000
+    a, b = losses_by_step(adapter_off), losses_by_step(precomputed)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
+    assert abs(s["eval"]["reward_margin"] - summary(precomputed)["eval"]["reward_margin"]) < 1e-5
+    assert s["eval"]["reward_margin"] > 0 and (adapter_off / "model" / "adapter_config.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_with_double_batch(cli, hf_home, pair_tokenizer, pair_data, tmp_path):
+    """DDP: each process holds its own frozen reference; the loss is normalised by the pairs of all processes."""
+    common = ["train.max_steps=8", "train.log_every=2"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    cli(dpo_args(pair_tokenizer, pair_data, two, "train.batch_size=4", *common), launch="cpu_ddp.yaml")
+    assert run_main(dpo_args(pair_tokenizer, pair_data, one, "train.batch_size=8", *common), hf_home) == 0
+    assert summary(two)["num_processes"] == 2
+    a, b = losses_by_step(two), losses_by_step(one)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a), (a, b)
+    assert summary(two)["eval"]["reward_margin"] == pytest.approx(summary(one)["eval"]["reward_margin"], abs=1e-5)
+
+
+def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tmp_path):
+    """The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights."""
+    common = ["train.max_steps=16", "checkpoint.every_steps=5", "train.log_every=2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main(dpo_args(pair_tokenizer, pair_data, whole, *common), hf_home) == 0
+    proc = crash_then_resume(hf_home, dpo_args(pair_tokenizer, pair_data, resumed, *common), kill_at_micro=12)
+    assert "resuming from" in proc.stdout and "step_10" in proc.stdout
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(out / "model" / "model.safetensors") for out in (whole, resumed))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert losses_by_step(whole) == losses_by_step(resumed)
+    assert summary(whole)["eval"] == summary(resumed)["eval"]
+
+
+@pytest.mark.slow
+def test_the_dpo_recipe_beats_the_majority_answer(cli, tmp_path, monkeypatch):
+    """recipes/dpo.yaml as written: on its held-out pairs, the share whose right answer the tuned model prefers
+    (reward accuracy) is above the share of the majority answer (always preferring ' fresh')."""
+    if not (ROOT / "assets" / "review_pairs.jsonl").exists():
+        pytest.fail("assets/review_pairs.jsonl is missing: run `make install` (or `python tools/assets.py assets`)")
+    out = tmp_path / "dpo"
+    cli(["--config", str(ROOT / "recipes" / "dpo.yaml"), f"output_dir={out}"], timeout=2400)
+    s = summary(out)
+    from accelerate.utils import set_seed
+
+    from framework.config import load_config
+    from framework.tasks import get_task
+    from framework.train import load_model_and_data
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(out / "config.yaml", [])
+    set_seed(cfg.seed)
+    _, tokenizer, _, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
+    answers = [tokenizer.decode(row["chosen_ids"][row["prompt_length"]:]).strip() for row in eval_ds]
+    majority = max(answers.count(a) for a in set(answers)) / len(answers)
+    print(f"dpo recipe: eval reward accuracy {s['eval']['reward_accuracy']:.3f}, majority answer {majority:.3f}, "
+          f"margin {s['eval']['reward_margin']:.3f}, {s['train']['wall_seconds']:.0f} s of training")
+    assert s["eval"]["pairs"] == len(answers)
+    assert s["eval"]["reward_accuracy"] > majority + 0.05
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def bad_rows(case: str):
+    rows = pairs(40, seed=2)
+    if case == "equal":
+        rows[7]["rejected"] = rows[7]["chosen"]
+    elif case == "empty":
+        rows[5]["chosen"] = "  "
+    elif case == "missing":
+        rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
+    elif case == "mixed":
+        rows[3]["chosen"] = [{"role": "assistant", "content": "fresh"}]
+        rows = [{**r, "chosen": json.dumps(r["chosen"]) if isinstance(r["chosen"], list) else r["chosen"]} for r in rows]
+    elif case == "conversation":
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                 "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    return rows
+
+
+@pytest.mark.parametrize("case,message", [
+    ("equal", "data.chosen_column: the row with prompt 'review : "),
+    ("empty", "data.chosen_column: the row with prompt 'review : "),
+    ("missing", "data.rejected_column: column 'rejected' is not in data.train_file"),
+    ("conversation", "data.chat_template: the tokenizer has no chat template of its own"),
+    ("mixed", "data.prompt_column: the row with prompt 'review : "),
+])
+def test_bad_pairs_are_refused_naming_the_key(hf_home, pair_tokenizer, tmp_path, capsys, case, message):
+    data = write_jsonl(tmp_path / "bad.jsonl", bad_rows(case))
+    assert run_main(dpo_args(pair_tokenizer, data, tmp_path / "out"), hf_home) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_bad_dpo_keys_are_refused(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
+    args = dpo_args(pair_tokenizer, pair_data, tmp_path / "out", "dpo.loss=simpo", "dpo.precompute_reference=true",
+                    "dpo.beta=0")
+    assert run_main(args, hf_home) == 2
+    err = capsys.readouterr().err
+    assert "dpo.precompute_reference: simpo has no reference model" in err and "dpo.beta: 0.0 is out of range" in err
+
+
+# ---------------------------------------------------------------- XLA
+
+
+@pytest.mark.xla
+def test_dpo_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, pair_tokenizer, pair_data, tmp_path,
+                                                                            monkeypatch):
+    """Pairs padded to one length (chosen and rejected in one batch, the reference in the same graph): twice the
+    steps and evaluations compile no new graph, and the losses are the CPU backend's."""
+    pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    common = ["data.pad_buckets=[32]", "eval.every_steps=4", "train.log_every=2"]
+    short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
+    cli(dpo_args(pair_tokenizer, pair_data, short, "backend=auto", "train.max_steps=8", *common), timeout=1800)
+    cli(dpo_args(pair_tokenizer, pair_data, long, "backend=auto", "train.max_steps=16", *common), timeout=1800)
+    cli(dpo_args(pair_tokenizer, pair_data, cpu, "backend=cpu", "data.padding=buckets", "train.max_steps=8", *common))
+    a, b, c = summary(short), summary(long), summary(cpu)
+    assert a["backend"] == "xla" and c["backend"] == "cpu"
+    assert b["xla"]["compiles"] == a["xla"]["compiles"], (a["xla"], b["xla"])
+    assert a["xla"]["transfers_in_steps"] == b["xla"]["transfers_in_steps"] == 0
+    xla_losses, cpu_losses = losses_by_step(short), losses_by_step(cpu)
+    assert xla_losses.keys() == cpu_losses.keys()
+    torch.testing.assert_close(torch.tensor(list(xla_losses.values())), torch.tensor(list(cpu_losses.values())),
+                               rtol=1e-4, atol=1e-5)
+    assert a["eval"]["reward_margin"] == pytest.approx(c["eval"]["reward_margin"], rel=1e-3, abs=1e-5)
