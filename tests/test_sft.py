@@ -315,6 +315,7 @@ def test_the_sft_recipe_answers_unseen_reviews_better_than_the_majority_class(cl
     verdicts = [row["messages"][-1]["content"] for row in held_out]
     majority = Counter(verdicts).most_common(1)[0][1] / len(verdicts)
     generate = pipeline("text-generation", model=str(out / "model"))
+    generate.tokenizer.padding_side = "left"  # batched generation continues every prompt from its last token
     answers = generate([row["messages"][:-1] for row in held_out], max_new_tokens=4, do_sample=False, batch_size=64)
     generated = [a[0]["generated_text"][-1]["content"].strip() for a in answers]
     accuracy = sum(g == v for g, v in zip(generated, verdicts)) / len(verdicts)
