@@ -166,7 +166,7 @@ class Sft(CausalLM):
             if first is None:
                 return None
             end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE), len(labels))
-            ids, expected = ids[:first], tokenizer.decode(ids[first:end], skip_special_tokens=True)
+            ids, expected = ids[:first], tokenizer.decode(ids[first:end], skip_special_tokens=True).strip()
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
