@@ -21,7 +21,7 @@ from framework.errors import UserError
 
 # peft's task types, for the tasks it has one for: they decide what the wrapped model's forward accepts and,
 # for classification, keep the new head (``classifier`` or ``score``) trainable.
-TASK_TYPES = {"text_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM", "dpo": "CAUSAL_LM"}
+TASK_TYPES = {"text_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM", "sft": "CAUSAL_LM", "dpo": "CAUSAL_LM"}
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
 NO_4BIT_ON_XLA = ("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
                   "quantize on XLA (peft.quantize=null)")

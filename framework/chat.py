@@ -100,21 +100,21 @@ def conversation(value: Any, where: str) -> List[Dict[str, Any]]:
         try:
             value = json.loads(value)
         except ValueError:
-            raise UserError(f"{where}: {_show(value)} is not a conversation (a JSON list of {{role, content}}); "
+            raise UserError(f"{where}: {snippet(value)} is not a conversation (a JSON list of {{role, content}}); "
                             "fix the row or the column") from None
     if not isinstance(value, (list, tuple)) or not value:
-        raise UserError(f"{where}: {_show(value)} is not a conversation: expected a non-empty list of "
+        raise UserError(f"{where}: {snippet(value)} is not a conversation: expected a non-empty list of "
                         "{role, content} messages")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise UserError(f"{where}: message {i} ({_show(message)}) is not a {{role, content}} mapping")
+            raise UserError(f"{where}: message {i} ({snippet(message)}) is not a {{role, content}} mapping")
         if message["role"] not in ROLES:
             raise UserError(f"{where}: message {i} has the unknown role {message['role']!r}; roles are "
                             f"{', '.join(ROLES)}")
         content = message["content"]
         if content is not None and not isinstance(content, str):
-            raise UserError(f"{where}: message {i} has content {_show(content)}; content must be text")
+            raise UserError(f"{where}: message {i} has content {snippet(content)}; content must be text")
         messages.append({k: v for k, v in message.items() if v is not None or k == "content"})
     return messages
 
@@ -138,6 +138,9 @@ def maybe_conversation(value: Any, where: str) -> Optional[List[Dict[str, Any]]]
 
 def render(tokenizer, messages: Sequence[Dict], where: str, add_generation_prompt: bool = False) -> str:
     """The conversation as the tokenizer's chat template writes it; a template error names the row."""
+    if not tokenizer.chat_template:
+        raise UserError(f"{where}: the tokenizer has no chat template to render the conversation; set {KEY} to a "
+                        f"built-in one ({', '.join(BUILTIN)}) or to a jinja file")
     try:
         return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
     except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
@@ -257,6 +260,7 @@ def _common_prefix(a: str, b: str) -> int:
     return len(a) if b.startswith(a) else common_prefix_length(a, b)
 
 
-def _show(value: Any, limit: int = 80) -> str:
+def snippet(value: Any, limit: int = 80) -> str:
+    """A value as JSON, cut to ``limit`` characters: a row named in a message."""
     text = json.dumps(value, default=str, ensure_ascii=False)
     return text if len(text) <= limit else text[:limit] + "..."

@@ -114,6 +114,14 @@ class DataConfig:
     per row, truncated to ``block_size`` and padded."""
     block_size: Optional[int] = _bounded(None, ge=8)
     """Language models: tokens per row; default the model's positions, at most 1024."""
+    messages_column: str = "messages"
+    """sft: the column holding conversations (a list of {role, content}, or its JSON text as a csv holds it)."""
+    prompt_column: str = "prompt"
+    """Post-training: the column holding the prompt (a string, or a conversation: a list of {role, content})."""
+    completion_column: str = "completion"
+    """sft: the column holding the completion of ``prompt_column`` (a string or a conversation)."""
+    chat_template: Optional[str] = None
+    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
     mlm_probability: float = _bounded(0.15, gt=0.0, lt=1.0)
     """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
@@ -185,6 +193,21 @@ class EvalConfig:
     summary.json); default: the first words of the first eval document."""
     max_new_tokens: int = _bounded(32, ge=1)
     """Causal language models: the length of that generation."""
+
+
+@dataclass
+class SftConfig:
+    """Supervised fine-tuning (``task: sft``): which tokens are trained on, and what becomes of a conversation
+    longer than ``data.block_size``."""
+
+    train_on: Literal["assistant", "completion", "all"] = "assistant"
+    """assistant: the tokens each assistant message generates in ``data.messages_column`` conversations (after
+    its role header, through its end-of-turn text), as TRL's ``assistant_only_loss``; completion: rows of
+    ``data.prompt_column`` + ``data.completion_column``, trained on the completion only (TRL's
+    ``completion_only_loss``); all: every token of the conversations."""
+    overflow: Literal["truncate", "drop"] = "truncate"
+    """A conversation longer than ``data.block_size`` tokens: truncate (keep its first block_size tokens; one
+    left with no token to train on is dropped) or drop it. Either way the plan counts them."""
 
 
 @dataclass
@@ -358,7 +381,7 @@ class DpoConfig:
 @dataclass
 class RunConfig:
     task: str = "text_classification"
-    """What is trained: text_classification, causal_lm, masked_lm or dpo (``framework/tasks/``, one module each)."""
+    """What is trained: text_classification, causal_lm, masked_lm, sft or dpo (``framework/tasks/``, one module each)."""
     seed: int = 42
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
@@ -382,6 +405,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference tuning's keys (``task: dpo``)."""
     peft: Optional[PeftConfig] = None

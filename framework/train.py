@@ -192,6 +192,7 @@ def setup(cfg: RunConfig) -> Run:
                                  "6N + 12LHQT, framework/flops.py)",
         "peak_flops": f"{peak / 1e12:.4g} TFLOP/s per device ({peak_source})" if peak else None,
         "notes": (device.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds))
+                  + task.notes(cfg, train_ds, eval_ds)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.

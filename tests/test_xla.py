@@ -321,3 +321,28 @@ def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(fsdp_run, ti
     # The checkpoint holds whole tensors under the wrapper's names: its own format, loaded by the same strategy.
     saved = torch.load(resumed / "checkpoints" / "step_8" / "pytorch_model.bin", map_location="cpu")
     assert any(name.endswith("word_embeddings.weight") for name in saved)
+
+
+def test_sft_on_xla_matches_the_cpu_with_a_bounded_number_of_graphs(cli, tmp_path):
+    """Conversations packed into blocks, padded to buckets: the XLA run's losses and answer accuracy are the CPU's."""
+    from test_sft import review_conversations
+    from framework.testing import save_word_tokenizer
+    from conftest import NEGATIVE, NEUTRAL, POSITIVE
+
+    tokenizer = save_word_tokenizer(tmp_path / "tokenizer", POSITIVE + NEGATIVE + NEUTRAL + [
+        "system", "user", "assistant", "positive", "negative", "answer", "with", "one", "word"])
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in review_conversations(120, seed=0)))
+    common = ["--config", str(Path(__file__).parent / "tiny_lm.yaml"), "task=sft", f"model.tokenizer={tokenizer}",
+              f"data.train_file={data}", "data.chat_template=chatml", "train.max_steps=6", "train.log_every=1",
+              "eval.every_steps=3"]
+    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
+    cli([*common, "backend=auto", f"output_dir={xla}"])
+    cli([*common, "backend=cpu", f"output_dir={cpu}"])
+    a, b = summary(xla), summary(cpu)
+    assert a["backend"] == "xla" and b["backend"] == "cpu"
+    torch.testing.assert_close(torch.tensor(train_losses(xla)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
+    assert a["eval"]["tokens"] == b["eval"]["tokens"] and a["eval"]["answers"] == b["eval"]["answers"]
+    assert a["eval"]["answer_accuracy"] == b["eval"]["answer_accuracy"]
+    assert a["eval"]["loss"] == pytest.approx(b["eval"]["loss"], rel=1e-4)
+    assert a["xla"]["transfers_in_steps"] == 0 and a["xla"]["compiles"] <= 12, a["xla"]

