@@ -64,7 +64,7 @@ def pair_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, pair_tokenizer) -> Path:
     """A tiny GPT-2 (random, seeded) saved with the word tokenizer: a pretrained model for LoRA to adapt."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
     folder = tmp_path_factory.mktemp("tiny_gpt2")
     tokenizer = AutoTokenizer.from_pretrained(pair_tokenizer)
@@ -267,6 +267,7 @@ def test_two_processes_equal_one_with_double_batch(cli, hf_home, pair_tokenizer,
     assert summary(two)["eval"]["reward_margin"] == pytest.approx(summary(one)["eval"]["reward_margin"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tmp_path):
     """The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights."""
     common = ["train.max_steps=16", "checkpoint.every_steps=5", "train.log_every=2"]
@@ -280,36 +281,6 @@ def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tm
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert losses_by_step(whole) == losses_by_step(resumed)
     assert summary(whole)["eval"] == summary(resumed)["eval"]
-
-
-@pytest.mark.slow
-def test_the_dpo_recipe_beats_the_majority_answer(cli, tmp_path, monkeypatch):
-    """recipes/dpo.yaml as written: on its held-out pairs, the share whose right answer the tuned model prefers
-    (reward accuracy) is above the share of the majority answer (always preferring ' fresh')."""
-    if not (ROOT / "assets" / "review_pairs.jsonl").exists():
-        pytest.fail("assets/review_pairs.jsonl is missing: run `make install` (or `python tools/assets.py assets`)")
-    out = tmp_path / "dpo"
-    cli(["--config", str(ROOT / "recipes" / "dpo.yaml"), f"output_dir={out}"], timeout=2400)
-    s = summary(out)
-    from accelerate.utils import set_seed
-
-    from framework.config import load_config
-    from framework.tasks import get_task
-    from framework.train import load_model_and_data
-
-    monkeypatch.chdir(ROOT)
-    cfg = load_config(out / "config.yaml", [])
-    set_seed(cfg.seed)
-    _, tokenizer, _, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
-    answers = [tokenizer.decode(row["chosen_ids"][row["prompt_length"]:]).strip() for row in eval_ds]
-    majority = max(answers.count(a) for a in set(answers)) / len(answers)
-    print(f"dpo recipe: eval reward accuracy {s['eval']['reward_accuracy']:.3f}, majority answer {majority:.3f}, "
-          f"margin {s['eval']['reward_margin']:.3f}, {s['train']['wall_seconds']:.0f} s of training")
-    assert s["eval"]["pairs"] == len(answers)
-    assert s["eval"]["reward_accuracy"] > majority + 0.05
-
-
-# ---------------------------------------------------------------- bad input
 
 
 def bad_rows(case: str):
