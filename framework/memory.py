@@ -162,18 +162,26 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
     return layers * per_layer
 
 
-def logit_estimate(model_config: object, batch_size: int, seq_length: int) -> int:
+def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None) -> int:
     """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
-    vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward."""
-    return 2 * 4 * batch_size * seq_length * getattr(model_config, "vocab_size", 0)
+    vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward.
+    With a chunked loss (``chunk`` tokens at a time, framework/losses.py): one chunk's logits, fp32, and the
+    head's output in the model's precision beside them, plus what it keeps for backward: the gradient of
+    the hidden states (fp32) and of the head's weight (fp32, vocabulary x hidden)."""
+    vocab, tokens = getattr(model_config, "vocab_size", 0), batch_size * seq_length
+    if chunk is None:
+        return 2 * 4 * tokens * vocab
+    hidden = getattr(model_config, "hidden_size", 0)
+    return 2 * 4 * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
 
 def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
          distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
-         token_logits: bool = False) -> Dict[str, object]:
+         token_logits: bool = False, logits_chunk: Optional[int] = None) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
     sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
-    ``data.max_length``), with ``token_logits`` (language models) the logits of every token, and their total
+    ``data.max_length``), with ``token_logits`` (language models) the logits of every token
+    (``logits_chunk``: of that many tokens at a time, the chunked loss), and their total
     on the device (offloaded states excluded). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
     the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
@@ -200,7 +208,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
     config = getattr(model, "config", None)
     activations = activation_estimate(config, cfg.train.batch_size, seq_length, 4 if cfg.precision == "no" else 2,
                                       checkpointing)
-    logits = logit_estimate(config, cfg.train.batch_size, seq_length) if token_logits else 0
+    logits = logit_estimate(config, cfg.train.batch_size, seq_length, logits_chunk) if token_logits else 0
     on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
     return {
         "parameters": sum(parameter_count(p) for p in params),
@@ -218,6 +226,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         "optimizer_state_bytes": per_device["optimizer_state"],
         "activation_bytes": activations,
         "logit_bytes": logits,
+        "logits_chunk": logits_chunk if token_logits else None,
         "total_bytes": on_device,
     }
 
@@ -242,10 +251,16 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  gradients: {_mib(plan['gradient_bytes'])}{where('gradients')}",
         f"  optimizer state ({plan['optimizer']}): {_mib(plan['optimizer_state_bytes'])}{where('optimizer_state')}",
         f"  activations: {activations}",
-        *([f"  logits: {_mib(plan['logit_bytes'])} (batch x length x vocabulary, fp32, and their log-softmax)"]
-          if plan["logit_bytes"] else []),
+        *([f"  logits: {_mib(plan['logit_bytes'])} ({_logits_held(plan)})"] if plan["logit_bytes"] else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
+
+
+def _logits_held(plan: Dict[str, object]) -> str:
+    if plan.get("logits_chunk"):
+        return (f"chunked loss: {plan['logits_chunk']} tokens x vocabulary at a time, fp32, and the gradients "
+                "it keeps")
+    return "batch x length x vocabulary, fp32, and their log-softmax"
 
 
 def _mib(n: int) -> str:

@@ -107,6 +107,7 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(problems[0])
 
     accelerator, mesh = device.build_accelerator(cfg)
+    task = task.for_run(cfg, device.needs_static_shapes(accelerator))
     if start.resume_from is not None:
         checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
     set_seed(cfg.seed)
@@ -157,7 +158,8 @@ def setup(cfg: RunConfig) -> Run:
     seq_length = task.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
     shards = mesh.parameter_shards if mesh.shard_parameters else accelerator.num_processes
-    memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits)
+    memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits,
+                              logits_chunk=task.logits_chunk(model))
     model_flops = flops.model_flops(model)
     peak, peak_source = device.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters

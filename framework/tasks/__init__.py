@@ -41,6 +41,15 @@ class Task:
         """Problems with the recipe keys this task reads, each naming its key."""
         return []
 
+    def for_run(self, cfg, static_shapes: bool) -> "Task":
+        """This task as one run uses it: a copy holding the recipe's settings of its loss (``static_shapes``:
+        batches keep fixed shapes, XLA). This one, unchanged, for a task without such settings."""
+        return self
+
+    def logits_chunk(self, model: torch.nn.Module) -> Optional[int]:
+        """Tokens whose logits the loss holds at once (the memory plan counts them), None for all of them."""
+        return None
+
     def columns(self, cfg) -> Dict[str, str]:
         """Recipe key -> column name, for every column a row must have."""
         raise NotImplementedError
