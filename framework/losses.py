@@ -52,15 +52,10 @@ def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 
 def hidden_states(model: torch.nn.Module, head: torch.nn.Module, **inputs) -> Tuple[torch.Tensor, bool]:
     """``model(**inputs)`` with ``head`` passing its input through: (the hidden states the head would turn
-    into logits, True), or (the model's logits, False) where the model never called the head module."""
-    called = []
-
-    def through(x, *args, **kwargs):
-        called.append(True)
-        return x
-
+    into logits, True), or (the model's logits, False) where the model did not call the head module (its
+    output has the head's width)."""
     own = head.__dict__.get("forward")  # hooks (accelerate's, peft's) may have set one on the instance
-    head.forward = through
+    head.forward = _pass_through  # one function for every call: torch.compile's guards see the same one
     try:
         out = model(**inputs).logits
     finally:
@@ -68,7 +63,11 @@ def hidden_states(model: torch.nn.Module, head: torch.nn.Module, **inputs) -> Tu
             del head.forward
         else:
             head.forward = own
-    return out, bool(called)
+    return out, out.shape[-1] != getattr(head, "out_features", None)
+
+
+def _pass_through(x, *args, **kwargs):
+    return x
 
 
 def _trainable(head: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -85,17 +84,21 @@ def _chunk_logits(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
     ``argmax``) and, with ``grad_weight`` (per token), the gradient of sum(grad_weight * loss) with respect to ``z``.
     The fp32 logits are overwritten in place by that gradient: one copy of the chunk's logits at a time."""
     z = head(h)
-    logits = z.detach().float()  # the very tensor when z is fp32
+    logits = z.detach().float()  # the very tensor when z is fp32: overwritten below, one copy at a time
     counted = targets != IGNORE
     safe = targets.clamp(min=0)[:, None]
-    lse = torch.logsumexp(logits, dim=1)
-    loss = torch.where(counted, lse - logits.gather(1, safe).squeeze(1), 0.0)
+    target = logits.gather(1, safe).squeeze(1)
     top = logits.argmax(dim=1) if argmax else None
+    most = logits.amax(dim=1, keepdim=True)
+    exp = logits.sub_(most).exp_()  # in place; the log-sum-exp, max-shifted, as logsumexp computes it
+    total = exp.sum(dim=1, keepdim=True)
+    loss = torch.where(counted, (most + total.log()).squeeze(1) - target, 0.0)
     if grad_weight is None:
         return z, loss, top, None
-    grad = logits.sub_(lse[:, None]).exp_()  # softmax
-    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))  # minus the one-hot target
-    grad.mul_(torch.where(counted, grad_weight, 0.0)[:, None])
+    # d loss / d logits = softmax - one-hot(target), times each token's weight (0 where ignored).
+    weight = torch.where(counted, grad_weight, 0.0)[:, None]
+    grad = exp.mul_(weight / total)
+    grad.scatter_add_(1, safe, -weight)
     return z, loss, top, grad.to(z.dtype)
 
 
