@@ -162,17 +162,19 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
     return layers * per_layer
 
 
-def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None) -> int:
+def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None,
+                   autocast: bool = False) -> int:
     """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
     vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward.
-    With a chunked loss (``chunk`` tokens at a time, framework/losses.py): one chunk's logits, fp32, and the
-    head's output in the model's precision beside them, plus what it keeps for backward: the gradient of
-    the hidden states (fp32) and of the head's weight (fp32, vocabulary x hidden)."""
+    With a chunked loss (``chunk`` tokens at a time, framework/losses.py): one chunk's logits, fp32 (turned
+    into their gradient in place), under 16-bit ``autocast`` with the head's 16-bit output and gradient beside
+    them, plus what it keeps for backward: the gradient of the hidden states and of the head's weight (fp32,
+    vocabulary x hidden)."""
     vocab, tokens = getattr(model_config, "vocab_size", 0), batch_size * seq_length
     if chunk is None:
         return 2 * 4 * tokens * vocab
     hidden = getattr(model_config, "hidden_size", 0)
-    return 2 * 4 * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
+    return (8 if autocast else 4) * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
 
 def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
@@ -208,7 +210,8 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
     config = getattr(model, "config", None)
     activations = activation_estimate(config, cfg.train.batch_size, seq_length, 4 if cfg.precision == "no" else 2,
                                       checkpointing)
-    logits = logit_estimate(config, cfg.train.batch_size, seq_length, logits_chunk) if token_logits else 0
+    logits = (logit_estimate(config, cfg.train.batch_size, seq_length, logits_chunk, cfg.precision != "no")
+              if token_logits else 0)
     on_device = sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
     return {
         "parameters": sum(parameter_count(p) for p in params),

@@ -12,7 +12,9 @@ devices, checkpoints and reports know nothing else about it. A task owns:
 - its loss, returned as a sum with what it is normalised by: ``targets(batch)`` counts the batch's targets
   (examples, or target tokens) and ``loss_sum(model, batch)`` sums their losses. The loop divides by the
   targets of the whole optimizer step (every micro-batch, every process), so a token loss is exact whatever
-  the accumulation and process count;
+  the accumulation and process count; ``for_run(cfg, static_shapes)``: the task as one run uses it (a copy
+  with the recipe's loss settings: language models' chunked loss), ``logits_chunk(model)``: what the memory
+  plan counts of the logits;
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
 - ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation).
