@@ -54,6 +54,7 @@ bench: install
 	$(BIN)/python benchmarks/options.py
 	$(BIN)/python benchmarks/compare_loops.py
 	$(BIN)/python benchmarks/compare_lm.py --rounds 3
+	$(BIN)/python benchmarks/chunked_loss.py --rounds 3
 
 test-cpu: install
 	$(BIN)/python -m pytest -m "not xla and not slow" tests

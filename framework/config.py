@@ -161,6 +161,14 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of storing them (the model's own non-reentrant
     checkpointing; with FSDP, use distributed.fsdp.activation_checkpointing)."""
+    chunked_loss: bool = True
+    """Language models: apply the output head and cross-entropy ``loss_chunk_tokens`` tokens at a time
+    (framework/losses.py), so that no step holds the whole batch's logits; losses and gradients equal the
+    full logits' up to float rounding. Architectures it is not exact for (logit soft-capping or scaling)
+    always use full logits. false: the model's full logits, as transformers computes them."""
+    loss_chunk_tokens: int = _bounded(1024, gt=0)
+    """Language models, with ``chunked_loss``: tokens per chunk (the logits held at once: this many x the
+    vocabulary, fp32)."""
     compile: bool = False
     """torch.compile the model (not on XLA, which compiles graphs itself)."""
     early_stopping_patience: Optional[int] = _bounded(None, gt=0)

@@ -162,19 +162,29 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
     return layers * per_layer
 
 
-def logit_estimate(model_config: object, batch_size: int, seq_length: int) -> int:
+def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None,
+                   autocast: bool = False) -> int:
     """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
-    vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward."""
-    return 2 * 4 * batch_size * seq_length * getattr(model_config, "vocab_size", 0)
+    vocabulary, fp32 (the loss upcasts them) and once more for the log-softmax the loss keeps for backward.
+    With a chunked loss (``chunk`` tokens at a time, framework/losses.py): one chunk's logits, fp32 (turned
+    into their gradient in place), under 16-bit ``autocast`` with the head's 16-bit output and gradient beside
+    them, plus what it keeps for backward: the gradient of the hidden states and of the head's weight (fp32,
+    vocabulary x hidden)."""
+    vocab, tokens = getattr(model_config, "vocab_size", 0), batch_size * seq_length
+    if chunk is None:
+        return 2 * 4 * tokens * vocab
+    hidden = getattr(model_config, "hidden_size", 0)
+    return (8 if autocast else 4) * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
 
 def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
          distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
-         token_logits: bool = False, sequences: int = 1,
-         frozen: Sequence[torch.nn.Module] = ()) -> Dict[str, object]:
+         token_logits: bool = False, sequences: int = 1, frozen: Sequence[torch.nn.Module] = (),
+         logits_chunk: Optional[int] = None) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
     sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
-    ``data.max_length``), with ``token_logits`` (language models) the logits of every token, and their total
+    ``data.max_length``), with ``token_logits`` (language models) the logits of every token
+    (``logits_chunk``: of that many tokens at a time, the chunked loss), and their total
     on the device (offloaded states excluded). ``sequences``: rows per example (a preference pair's two);
     ``frozen``: models the task holds beside it (DPO's reference: their weights, replicated). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
@@ -205,7 +215,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
     config = getattr(model, "config", None)
     rows = cfg.train.batch_size * sequences
     activations = activation_estimate(config, rows, seq_length, 4 if cfg.precision == "no" else 2, checkpointing)
-    logits = logit_estimate(config, rows, seq_length) if token_logits else 0
+    logits = logit_estimate(config, rows, seq_length, logits_chunk, cfg.precision != "no") if token_logits else 0
     frozen_bytes = sum(weight_bytes(p) for m in frozen for p in m.parameters())
     on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
                  + frozen_bytes)
@@ -227,6 +237,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         "activation_bytes": activations,
         "logit_bytes": logits,
         "frozen_model_bytes": frozen_bytes,
+        "logits_chunk": logits_chunk if token_logits else None,
         "total_bytes": on_device,
     }
 
@@ -272,12 +283,18 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  gradients: {_mib(plan['gradient_bytes'])}{where('gradients')}",
         f"  optimizer state ({plan['optimizer']}): {_mib(plan['optimizer_state_bytes'])}{where('optimizer_state')}",
         f"  activations: {activations}",
-        *([f"  logits: {_mib(plan['logit_bytes'])} (batch x length x vocabulary, fp32, and their log-softmax)"]
-          if plan["logit_bytes"] else []),
+        *([f"  logits: {_mib(plan['logit_bytes'])} ({_logits_held(plan)})"] if plan["logit_bytes"] else []),
         *([f"  frozen models (the task's reference, never trained): {_mib(plan['frozen_model_bytes'])}"]
           if plan.get("frozen_model_bytes") else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
+
+
+def _logits_held(plan: Dict[str, object]) -> str:
+    if plan.get("logits_chunk"):
+        return (f"chunked loss: {plan['logits_chunk']} tokens x vocabulary at a time, fp32, and the gradients "
+                "it keeps")
+    return "batch x length x vocabulary, fp32, and their log-softmax"
 
 
 def _mib(n: int) -> str:

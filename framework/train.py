@@ -120,7 +120,8 @@ def setup(cfg: RunConfig) -> Run:
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task, mesh)
     eval_ds = data.longest_first(eval_ds)
     model = adapters.apply(model, cfg, accelerator.device.type)
-    task = task.for_run(model, accelerator, cfg)  # e.g. DPO's frozen reference, copied before training changes the model
+    # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
+    task = task.for_run(model, accelerator, cfg)
 
     if train_ds is not None and len(train_ds) < per_step:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
@@ -159,7 +160,8 @@ def setup(cfg: RunConfig) -> Run:
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
     shards = mesh.parameter_shards if mesh.shard_parameters else device.parameter_shards(accelerator)
     memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits,
-                              sequences=task.sequences_per_example, frozen=task.frozen_models())
+                              sequences=task.sequences_per_example, frozen=task.frozen_models(),
+                              logits_chunk=task.logits_chunk(model))
     model_flops = flops.model_flops(model)
     peak, peak_source = device.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters

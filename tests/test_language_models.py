@@ -70,12 +70,12 @@ def segments(batch):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_packed_logits_and_loss_equal_each_document_alone(kind):
     from framework.tasks import language
-    from framework.tasks.causal_lm import _logits_and_targets
+    from framework.tasks.causal_lm import TASK
 
     model, batch = tiny_model(kind), packed_batch()
     assert batch["position_ids"].shape == (3, 32)  # 99 tokens with EOS-less docs: 3 blocks, 3 tokens dropped
     with torch.no_grad():
-        logits, targets = _logits_and_targets(model, batch)
+        logits, targets = TASK.forward(model, batch)
         naive = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[:, :-1]
         worst, naive_worst, per_segment_loss = 0.0, 0.0, torch.tensor(0.0)
         for row, a, b in segments(batch):

@@ -176,18 +176,44 @@ def test_packed_logits_equal_each_document_alone_on_xla(kind):
     import torch_xla
 
     from test_language_models import packed_batch, segments, tiny_model
-    from framework.tasks.causal_lm import _logits_and_targets
+    from framework.tasks.causal_lm import TASK
 
     xla = torch_xla.device()
     model, batch = tiny_model(kind).to(xla), packed_batch()
     with torch.no_grad():
-        logits = _logits_and_targets(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
+        logits = TASK.forward(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
         worst = 0.0
         for row, a, b in segments(batch):
             alone = model(input_ids=batch["input_ids"][row:row + 1, a:b].to(xla)).logits[0].cpu()
             worst = max(worst, (logits[row, a:b - 1] - alone[:-1]).abs().max().item())
     print(f"{kind} on XLA: packed vs alone max |diff| {worst:.2e}")
     assert worst < 1e-5
+
+
+def test_chunked_loss_and_gradients_on_xla_equal_the_cpu():
+    """framework/losses.py on an XLA device (static chunks, every token): loss, gradients and evaluation
+    outputs equal the CPU's."""
+    import torch_xla
+
+    from test_losses import CHUNK, batch, build, grads, targets_of, worst_gradient
+    from framework import losses
+
+    def run(dev):
+        model = build("gpt2").to(dev)
+        inputs, labels = batch("gpt2")
+        inputs, targets = {k: v.to(dev) for k, v in inputs.items()}, targets_of("gpt2", labels).to(dev)
+        head = losses.output_head(model)
+        hidden, _ = losses.hidden_states(model, head, **inputs)
+        loss = losses.linear_cross_entropy(hidden, head, targets, CHUNK)
+        loss.backward()
+        token_losses, correct = losses.token_outputs(hidden.detach(), head, targets, CHUNK)
+        return loss.cpu(), {k: v.cpu() for k, v in grads(model).items()}, token_losses.cpu(), correct.cpu()
+
+    cpu, xla = run(torch.device("cpu")), run(torch_xla.device())
+    torch.testing.assert_close(xla[0], cpu[0], rtol=1e-6, atol=0)
+    assert worst_gradient(xla[1], cpu[1]) < 1e-5
+    torch.testing.assert_close(xla[2], cpu[2], rtol=1e-5, atol=1e-6)
+    assert torch.equal(xla[3], cpu[3])
 
 
 def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, tmp_path):
@@ -198,7 +224,10 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
-    args = lambda out, *extra: lm_args(tokenizer, corpus, out, "backend=auto", *extra)  # noqa: E731
+    # The chunked loss in 3 chunks of a 4 x 32 batch (48, 48, 32 tokens): on XLA over every token, on the CPU
+    # over the target tokens only.
+    args = lambda out, *extra: lm_args(tokenizer, corpus, out, "backend=auto", "train.loss_chunk_tokens=48",  # noqa: E731
+                                       *extra)
     short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
     cli(args(short, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2"))
     cli(args(long, "train.max_steps=16", "eval.every_steps=4", "train.log_every=2"))

@@ -12,14 +12,14 @@ devices, checkpoints and reports know nothing else about it. A task owns:
 - its loss, returned as a sum with what it is normalised by: ``targets(batch)`` counts the batch's targets
   (examples, or target tokens) and ``loss_sum(model, batch)`` sums their losses. The loop divides by the
   targets of the whole optimizer step (every micro-batch, every process), so a token loss is exact whatever
-  the accumulation and process count;
+  the accumulation and process count; ``logits_chunk(model)``: what the memory plan counts of the logits;
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
 - ``notes(cfg, train_ds, eval_ds)``: lines for the plan about the prepared data (rows it dropped or truncated);
 - ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
-- ``for_run(model, accelerator, cfg)``: the task as one run uses it. A task that needs more than the trained
-  model (DPO's frozen reference model) returns a copy of itself holding it on the accelerator's device, and
-  ``frozen_models()`` lists it for the memory plan; the loop only ever calls the task.
+- ``for_run(model, accelerator, cfg)``: the task as one run uses it: a copy holding the recipe's settings of its
+  loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
+  accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class Task:
 
     def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
         """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
-        or a copy holding what the run needs beside the model (placed on ``accelerator.device``)."""
+        or a copy holding the recipe's loss settings and what the run needs beside the model (placed on
+        ``accelerator.device``)."""
         return self
 
     def frozen_models(self) -> List[torch.nn.Module]:
@@ -55,6 +56,10 @@ class Task:
     def check(self, cfg) -> List[str]:
         """Problems with the recipe keys this task reads, each naming its key."""
         return []
+
+    def logits_chunk(self, model: torch.nn.Module) -> Optional[int]:
+        """Tokens whose logits the loss holds at once (the memory plan counts them), None for all of them."""
+        return None
 
     def columns(self, cfg) -> Dict[str, str]:
         """Recipe key -> column name, for every column a row must have."""

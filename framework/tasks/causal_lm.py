@@ -101,8 +101,8 @@ class CausalLM(LanguageModel):
     def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
 
-    def forward(self, model, batch):
-        return _logits_and_targets(model, batch)
+    def inputs(self, model, batch):
+        return _inputs_and_targets(model, batch)
 
     def default_prompt(self, tokenizer, eval_ds) -> str:
         """What the sample continues without ``eval.prompt``: the first 8 tokens of the first eval row."""
@@ -186,10 +186,10 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def _logits_and_targets(model, batch):
-    """Logits at every position and their targets, the next tokens (the last position has none). The targets
-    are shifted rather than the logits: slicing (batch x length x vocabulary) logits would copy them, and
-    their gradient, every step."""
+def _inputs_and_targets(model, batch):
+    """The model's inputs and the targets of its outputs at every position, the next tokens (the last
+    position has none). The targets are shifted rather than the outputs: slicing (batch x length x
+    vocabulary) logits would copy them, and their gradient, every step."""
     inputs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "position_ids" in batch:
         mask = document_mask(batch["position_ids"])
@@ -201,7 +201,7 @@ def _logits_and_targets(model, batch):
     else:
         inputs["attention_mask"] = batch["attention_mask"]
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
-    return model(**inputs).logits, targets
+    return inputs, targets
 
 
 def _pretrained_config(name: str):

@@ -1,20 +1,23 @@
 """What the language-model tasks share: their model keys (pretrained, or a config and a tokenizer), one text
-column, the tokenizer, and the loss and metrics per target token (``LanguageModel``); per-row token losses."""
+column, the tokenizer, and the loss and metrics per target token (``LanguageModel``); per-row token losses.
+The loss goes through framework/losses.py (the head and cross-entropy chunk by chunk) unless the recipe sets
+``train.chunked_loss: false`` or the architecture is not one it is exact for."""
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer
 
+from framework import device, losses
 from framework.errors import UserError
+from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
 from framework.tasks import Task
-
-IGNORE = -100  # the target value cross-entropy skips: padding, and positions with nothing to predict
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -22,14 +25,18 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def row_outputs(logits: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+def token_outputs(logits: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """From full logits, per token: the loss (0 where ignored) and whether the argmax is the target."""
+    token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                   reduction="none").view(targets.shape)
+    return token_losses, (logits.argmax(dim=-1) == targets) & (targets != IGNORE)
+
+
+def row_outputs(token_losses: torch.Tensor, correct: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Per row: summed loss, counted targets and correct predictions (summed over rows and processes later,
     so every token weighs the same whatever its row)."""
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none").view(targets.shape)
-    counted = targets != IGNORE
-    return {"loss_sum": losses.sum(dim=1), "targets": counted.sum(dim=1),
-            "correct": ((logits.argmax(dim=-1) == targets) & counted).sum(dim=1)}
+    return {"loss_sum": token_losses.sum(dim=1), "targets": (targets != IGNORE).sum(dim=1),
+            "correct": correct.sum(dim=1)}
 
 
 def metrics(gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -41,12 +48,30 @@ def metrics(gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
 
 
 class LanguageModel(Task):
-    """A task whose targets are tokens. Subclasses give ``forward(model, batch) -> (logits, targets)``, with
-    ``IGNORE`` where there is nothing to predict, and ``targets`` (the count, before the forward)."""
+    """A task whose targets are tokens. Subclasses give ``inputs(model, batch) -> (model keyword arguments,
+    targets)``, the targets aligned with the model's outputs, ``IGNORE`` where there is nothing to predict,
+    and ``targets`` (the count, before the forward). ``loss_chunk``: tokens per chunk of the loss (set by
+    ``for_run`` from the recipe), None for full logits; ``select_targets``: chunk only the target tokens
+    (dynamic shapes)."""
 
     metric = "perplexity"
     token_logits = True
     architectures = ""  # examples for messages, e.g. "gpt2, llama, ..."
+    loss_chunk: Optional[int] = None
+    select_targets = False
+
+    def for_run(self, model, accelerator, cfg) -> "LanguageModel":
+        return self.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
+
+    def with_loss(self, cfg, static_shapes: bool) -> "LanguageModel":
+        """A copy computing the loss as the recipe says (``static_shapes``: fixed shapes, XLA)."""
+        task = copy.copy(self)
+        task.loss_chunk = cfg.train.loss_chunk_tokens if cfg.train.chunked_loss else None
+        task.select_targets = not static_shapes
+        return task
+
+    def logits_chunk(self, model) -> Optional[int]:
+        return self.loss_chunk if self.loss_chunk and losses.output_head(model) is not None else None
 
     def check(self, cfg) -> List[str]:
         m, problems = cfg.model, []
@@ -89,14 +114,34 @@ class LanguageModel(Task):
             raise UserError(f"model.config: cannot build a model config from {cfg.model.config}: "
                             f"{str(e).splitlines()[0]}") from None
 
-    def forward(self, model, batch):
+    def inputs(self, model, batch) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
+    def forward(self, model, batch):
+        """(the model's full logits, targets)."""
+        inputs, targets = self.inputs(model, batch)
+        return model(**inputs).logits, targets
+
+    def _outputs(self, model, batch):
+        """(hidden states, the head to apply to them, targets) with a chunked loss, else (logits, None, targets)."""
+        inputs, targets = self.inputs(model, batch)
+        head = losses.output_head(model) if self.loss_chunk else None
+        if head is None:
+            return model(**inputs).logits, None, targets
+        out, called = losses.hidden_states(model, head, **inputs)
+        return out, head if called else None, targets
+
     def loss_sum(self, model, batch) -> torch.Tensor:
-        return loss_sum(*self.forward(model, batch))
+        out, head, targets = self._outputs(model, batch)
+        if head is None:
+            return loss_sum(out, targets)
+        return losses.linear_cross_entropy(out, head, targets, self.loss_chunk, self.select_targets)
 
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
-        return row_outputs(*self.forward(model, batch))
+        out, head, targets = self._outputs(model, batch)
+        if head is None:
+            return row_outputs(*token_outputs(out, targets), targets)
+        return row_outputs(*losses.token_outputs(out, head, targets, self.loss_chunk, self.select_targets), targets)
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         return metrics(gathered)

@@ -78,9 +78,8 @@ class MaskedLM(LanguageModel):
     def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return (batch["labels"] != IGNORE).sum()
 
-    def forward(self, model, batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return logits, batch["labels"]
+    def inputs(self, model, batch):
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch["labels"]
 
 
 class MaskingCollator:

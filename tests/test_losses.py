@@ -1,0 +1,237 @@
+"""The chunked loss (framework/losses.py) against transformers' own: the loss and every gradient of
+``model(**inputs, labels=...)`` within 1e-6 relative in fp32, for every architecture it is on for (tied and
+untied embeddings, a bias on the head, BERT's transform before it), with LoRA on the head, ignored positions
+and packed documents; per-sequence log-probabilities and evaluation outputs against full logits; no tensor
+saved for backward is as large as the logits; and a run with it off trains the same as with it on."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+from framework import losses
+from framework.losses import IGNORE
+from in_process import train_ok
+from test_language_models import lm_args, packed_batch
+
+VOCAB, CHUNK = 97, 7  # chunks of 7 tokens: several per batch and a short last one
+
+SIZES = {
+    "gpt2": dict(n_layer=2, n_head=2, n_embd=16, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                  intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False),
+    "mistral": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                    intermediate_size=32, max_position_embeddings=64),
+    "qwen2": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                  intermediate_size=32, max_position_embeddings=64),
+    "qwen3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16, head_dim=8,
+                  intermediate_size=32, max_position_embeddings=64),
+    "phi3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                 intermediate_size=32, max_position_embeddings=64, pad_token_id=0),
+    "gpt_neox": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+    "bert": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "roberta": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                    max_position_embeddings=70, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                    pad_token_id=1),
+    "distilbert": dict(n_layers=1, n_heads=2, dim=16, hidden_dim=32, max_position_embeddings=64, dropout=0.0,
+                       attention_dropout=0.0),
+}
+MASKED = ("bert", "roberta", "distilbert")
+
+
+def build(kind: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, vocab_size=VOCAB, **SIZES[kind])
+    model = (AutoModelForMaskedLM if kind in MASKED else AutoModelForCausalLM).from_config(config)
+    return model.to(dtype).train()
+
+
+def batch(kind: str, rows: int = 3, length: int = 20):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0  # a padded row
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    if kind in MASKED:
+        labels = labels.masked_fill(torch.rand(ids.shape, generator=g) > 0.3, IGNORE)
+    else:
+        labels[0, :6] = IGNORE  # a prompt that is not a target
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def targets_of(kind: str, labels):
+    """The targets of the outputs at each position: the next token for causal LMs, as the tasks align them."""
+    return labels if kind in MASKED else F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def worst_gradient(got: dict, expected: dict) -> float:
+    """The largest relative error of a parameter's gradient (its norm's); a gradient that is zero in exact
+    arithmetic (attention keys' bias: the softmax ignores it) is measured against the whole gradient's norm."""
+    assert got.keys() == expected.keys()
+    total = torch.cat([g.double().flatten() for g in expected.values()]).norm()
+    return max(((got[n].double() - e.double()).norm() / torch.maximum(e.double().norm(), 1e-3 * total)).item()
+               for n, e in expected.items())
+
+
+def compare(model, kind, inputs, labels, select, autocast=False):
+    """(loss relative error, worst gradient relative error) of the chunked loss against transformers'."""
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        reference = model(**inputs, labels=labels).loss
+    reference.backward()
+    expected = grads(model)
+    model.zero_grad()
+    head = losses.output_head(model)
+    assert head is not None
+    targets = targets_of(kind, labels)
+    with context:
+        hidden, called = losses.hidden_states(model, head, **inputs)
+        assert called and hidden.shape[-1] != VOCAB
+        loss = losses.linear_cross_entropy(hidden, head, targets, CHUNK, select) / (targets != IGNORE).sum()
+    loss.backward()
+    got = grads(model)
+    model.zero_grad()
+    return relative(loss, reference), worst_gradient(got, expected)
+
+
+@pytest.mark.parametrize("kind", sorted(SIZES))
+@pytest.mark.parametrize("select", [False, True])
+def test_loss_and_gradients_equal_transformers(kind, select):
+    assert kind in losses.EXACT_MODEL_TYPES
+    model = build(kind)
+    loss_error, grad_error = compare(model, kind, *batch(kind), select)
+    print(f"{kind} select={select}: loss {loss_error:.1e}, gradients {grad_error:.1e} relative")
+    assert loss_error < 1e-6 and grad_error < 1e-6
+
+
+def test_every_exact_architecture_is_checked():
+    assert losses.EXACT_MODEL_TYPES == set(SIZES)
+
+
+def test_lora_on_the_head_and_bf16_autocast():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "lm_head"]))
+    torch.manual_seed(2)
+    for name, p in model.named_parameters():  # LoRA's B starts at zero: give it values, so its gradient shows
+        if "lora_B" in name:
+            p.data.normal_(std=0.1)
+    assert "lora" in type(losses.output_head(model)).__module__
+    inputs, labels = batch("llama")
+    loss_error, grad_error = compare(model, "llama", inputs, labels, select=False)
+    print(f"LoRA on lm_head: loss {loss_error:.1e}, gradients {grad_error:.1e}")
+    assert loss_error < 1e-6 and grad_error < 1e-6
+    bf16_loss, bf16_grad = compare(model, "llama", inputs, labels, select=True, autocast=True)
+    print(f"bf16 autocast: loss {bf16_loss:.1e}, gradients {bf16_grad:.1e}")
+    assert bf16_loss < 1e-2 and bf16_grad < 3e-2  # bf16 products rounded in another order
+
+
+def test_packed_batch_through_the_task_equals_transformers():
+    """The causal LM task's packed batch (4D document mask, restarting positions, no target at a segment's
+    first token): its chunked loss over its target count equals transformers' loss with the batch's labels."""
+    from framework.tasks.causal_lm import TASK
+
+    model, packed = build("llama"), packed_batch()
+    task = TASK.with_loss(_Recipe(), static_shapes=True)
+    inputs, _ = task.inputs(model, packed)
+    reference = model(**inputs, labels=packed["labels"]).loss
+    reference.backward()
+    expected = grads(model)
+    model.zero_grad()
+    loss = task.loss_sum(model, packed) / task.targets(packed)
+    loss.backward()
+    assert relative(loss, reference) < 1e-6
+    assert worst_gradient(grads(model), expected) < 1e-6
+
+
+class _Recipe:
+    class train:
+        chunked_loss, loss_chunk_tokens = True, CHUNK
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_sequence_logprobs_and_eval_outputs_equal_full_logits(kind):
+    model = build(kind)
+    inputs, labels = batch(kind)
+    targets = targets_of(kind, labels)
+    head = losses.output_head(model)
+    logits = model(**inputs).logits.float()
+    full = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    full = full.masked_fill(targets == IGNORE, 0.0).sum(-1)
+    weights = torch.tensor([1.0, -2.0, 0.5])  # a preference loss weighs its rows differently
+    (full * weights).sum().backward()
+    expected = grads(model)
+    model.zero_grad()
+    hidden, _ = losses.hidden_states(model, head, **inputs)
+    chunked = losses.sequence_logprobs(hidden, head, targets, CHUNK)
+    (chunked * weights).sum().backward()
+    assert relative(chunked, full) < 1e-6
+    assert worst_gradient(grads(model), expected) < 1e-6
+
+    from framework.tasks.language import token_outputs
+
+    with torch.no_grad():  # some targets the model's argmax, so that some tokens are correct
+        targets = torch.where((targets != IGNORE) & (torch.arange(targets.shape[1]) % 2 == 0),
+                              logits.argmax(-1), targets)
+        full_losses, full_correct = token_outputs(logits, targets)
+        for select in (False, True):
+            token_losses, correct = losses.token_outputs(hidden, head, targets, CHUNK, select)
+            torch.testing.assert_close(token_losses, full_losses, rtol=1e-6, atol=1e-6)
+            assert torch.equal(correct, full_correct)
+            assert full_correct.any()  # the check sees some correct tokens
+
+
+def test_nothing_logits_sized_is_kept_for_backward():
+    """The largest tensor autograd keeps for the backward pass: the full-logits loss keeps tokens x
+    vocabulary ones; the chunked loss at most a chunk's, or the head's weight gradient."""
+    model = build("gpt2")
+    inputs, labels = batch("gpt2")
+    targets = targets_of("gpt2", labels)
+    head = losses.output_head(model)
+    sizes = []
+
+    def keep(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        hidden, _ = losses.hidden_states(model, head, **inputs)
+        body = max(sizes)
+        losses.linear_cross_entropy(hidden, head, targets, CHUNK).backward()
+    chunked = max(sizes)
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(**inputs, labels=labels).loss.backward()
+    full = max(sizes)
+    tokens = targets.numel()
+    assert full >= tokens * VOCAB
+    assert chunked <= max(body, VOCAB * head.in_features)
+
+
+def test_chunked_loss_off_trains_the_same(hf_home, word_tokenizer, corpus, tmp_path):
+    """The same run with the chunked loss (the default) and without it: the same losses to float rounding,
+    and the memory plan counts one chunk's logits instead of the whole batch's."""
+    runs = {}
+    for on in (True, False):
+        out = tmp_path / str(on)
+        train_ok(lm_args(word_tokenizer, corpus, out, "train.max_steps=6", "train.loss_chunk_tokens=8",
+                         f"train.chunked_loss={str(on).lower()}"), hf_home)
+        runs[on] = json.loads((out / "summary.json").read_text())
+    on, off = runs[True], runs[False]
+    assert on["eval"]["loss"] == pytest.approx(off["eval"]["loss"], rel=1e-5)
+    assert on["eval"]["accuracy"] == pytest.approx(off["eval"]["accuracy"], abs=1e-6)
+    assert on["memory_plan"]["logits_chunk"] == 8 and off["memory_plan"]["logits_chunk"] is None
+    assert on["memory_plan"]["logit_bytes"] < off["memory_plan"]["logit_bytes"]
