@@ -15,7 +15,8 @@ devices, checkpoints and reports know nothing else about it. A task owns:
   the accumulation and process count;
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
-- ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation).
+- ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
+- ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Task:
     metric: str  # the headline metric, printed at the end
     lower_is_better = ("loss", "perplexity")
     token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+    harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
 
     def check(self, cfg) -> List[str]:
         """Problems with the recipe keys this task reads, each naming its key."""
