@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError("--tasks: name at least one lm-eval task, e.g. --tasks rt_sentiment")
         harness = Harness(HarnessConfig(tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                                         batch_size=args.batch_size, include_path=args.include_path),
-                          args.seed, key="--tasks")
+                          args.seed, keys=("--tasks", "--include-path"))
         model, tokenizer = load(folder, kind)
         result = harness.evaluate(model, tokenizer)
     except UserError as e:

@@ -20,7 +20,7 @@ import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -36,9 +36,11 @@ PREFIX = "harness/"  # metrics.jsonl and tracker keys: harness/TASK/METRIC
 class Harness:
     """The tasks of one ``HarnessConfig``, found and checked once (at setup), run as often as asked."""
 
-    def __init__(self, cfg: HarnessConfig, seed: int, key: str = "eval.harness.tasks"):
+    def __init__(self, cfg: HarnessConfig, seed: int,
+                 keys: Tuple[str, str] = ("eval.harness.tasks", "eval.harness.include_path")):
+        """``keys``: what the user set the task names and the task folders with, for messages."""
         self.cfg, self.seed = cfg, seed
-        self.manager = task_manager(cfg.tasks, cfg.include_path, key)
+        self.manager = task_manager(cfg.tasks, cfg.include_path, keys)
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
@@ -63,8 +65,9 @@ class Harness:
         model.train(was_training)
         tasks = {}
         for name, values in out["results"].items():
-            figures = {metric.split(",")[0] if metric.endswith(",none") else metric: float(value)
-                       for metric, value in values.items() if isinstance(value, (int, float)) and metric != "sample_len"}
+            # lm-eval's keys are METRIC,FILTER; the unfiltered ones (",none") keep the metric's name alone.
+            figures = {metric.removesuffix(",none"): float(value) for metric, value in values.items()
+                       if isinstance(value, (int, float)) and metric != "sample_len"}
             samples = out.get("n-samples", {}).get(name)
             tasks[name] = {**figures, **({"samples": samples["effective"]} if samples else {})}
         return {"tasks": tasks, "seconds": time.perf_counter() - start, "num_fewshot": self.cfg.num_fewshot,
@@ -78,16 +81,17 @@ def scalars(result: Dict[str, object]) -> Dict[str, float]:
     return {**flat, f"{PREFIX}seconds": result["seconds"]}
 
 
-def task_manager(tasks: List[str], include_path: List[str], key: str):
+def task_manager(tasks: List[str], include_path: List[str], keys: Tuple[str, str]):
     """lm-eval's TaskManager over the local task folders, or over lm-eval's own tasks too when a name is not
     local (indexing their 15,000 files takes 10-20 s). Unknown names and, offline, names of tasks whose data
     is on the Hub raise one UserError naming them and the fix."""
     from lm_eval.tasks import TaskManager
 
+    key, folders_key = keys
     folders = [LOCAL_TASKS]
     for folder in map(Path, include_path):
         if not folder.is_dir():
-            raise UserError(f"eval.harness.include_path: folder {folder} does not exist (relative paths start at "
+            raise UserError(f"{folders_key}: folder {folder} does not exist (relative paths start at "
                             f"{Path.cwd()}); pass a folder of lm-eval task YAML files")
         folders.append(folder)
     local = TaskManager(include_path=[str(f) for f in folders], include_defaults=False)
@@ -99,15 +103,15 @@ def task_manager(tasks: List[str], include_path: List[str], key: str):
     unknown = [t for t in missing if t not in every.all_tasks]
     problems = []
     if unknown:
-        problems.append(f"{key}: {_names(unknown)} {'is not an lm-eval task' if len(unknown) == 1 else 'are not lm-eval tasks'} "
-                        f"(local tasks: {known}); check the name, or add the folder of its task YAML file to "
-                        "eval.harness.include_path")
+        verb = "is not an lm-eval task" if len(unknown) == 1 else "are not lm-eval tasks"
+        problems.append(f"{key}: {_names(unknown)} {verb} (local tasks: {known}); check the name, or add the folder "
+                        f"of its task YAML file to {folders_key}")
     reason = hub.hub_unreachable()
     on_hub = [t for t in missing if t not in unknown]
     if on_hub and reason:
         problems.append(f"{key}: {_names(on_hub)} {'reads its' if len(on_hub) == 1 else 'read their'} data from the "
                         f"Hugging Face Hub and {reason}; use a local task ({known}) or write one (a task YAML "
-                        "file over local data) into a folder of eval.harness.include_path, or set HF_HUB_OFFLINE=1 "
+                        f"file over local data) into a folder of {folders_key}, or set HF_HUB_OFFLINE=1 "
                         "with the dataset in the Hugging Face cache")
     if problems:
         raise UserError("; ".join(problems))

@@ -134,6 +134,29 @@ def test_harness_results_are_in_every_output(harness_run):
     assert "plots/harness.png" in page and (out / "plots" / "harness.png").stat().st_size > 0
 
 
+def test_an_adapted_model_scores_as_its_merged_model(harness_run, word_tokenizer, tmp_path):
+    """A LoRA-adapted model goes to the harness as the peft model: the figures of its merged model, which equal the
+    own choice over the same rows."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from framework.config import HarnessConfig
+    from framework.harness import Harness
+
+    out, tasks = harness_run
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(out / "model"),
+                           LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    harness = Harness(HarnessConfig(tasks=[TASK], include_path=[str(tasks)]), seed=42)
+    adapted = harness.evaluate(model, tokenizer)["tasks"][TASK]
+    merged = model.merge_and_unload()
+    assert harness.evaluate(merged, tokenizer)["tasks"][TASK] == adapted
+    merged.save_pretrained(tmp_path / "merged")
+    tokenizer.save_pretrained(tmp_path / "merged")
+    assert (adapted["acc"], adapted["acc_norm"]) == own_choices(tmp_path / "merged", rows_of(tasks))
+
+
 def test_evaluate_scores_a_finished_run_without_touching_it(harness_run, hf_home, capsys):
     """The command on the run folder: the tiny task (its first 8 rows, as --limit says, equal to the own choice over
     them) and the shipped local tasks, into RUN/harness.json; every other file as it was; a second call is refused."""
