@@ -29,7 +29,8 @@ from framework import hub
 from framework.config import HarnessConfig
 from framework.errors import UserError
 
-LOCAL_TASKS = Path(__file__).resolve().parent / "harness_tasks"
+LOCAL_TASKS = Path(__file__).resolve().parent / "harness_tasks"  # TASK.yaml reads LOCAL_DATA/TASK.jsonl
+LOCAL_DATA = Path(__file__).resolve().parents[1] / "assets" / "harness"  # written by tools/assets.py
 PREFIX = "harness/"  # metrics.jsonl and tracker keys: harness/TASK/METRIC
 
 
@@ -39,7 +40,7 @@ class Harness:
     def __init__(self, cfg: HarnessConfig, seed: int,
                  keys: Tuple[str, str] = ("eval.harness.tasks", "eval.harness.include_path")):
         """``keys``: what the user set the task names and the task folders with, for messages."""
-        self.cfg, self.seed = cfg, seed
+        self.cfg, self.seed, self.keys = cfg, seed, keys
         self.manager = task_manager(cfg.tasks, cfg.include_path, keys)
 
     def due(self, step: int) -> bool:
@@ -61,7 +62,7 @@ class Harness:
                     task_manager=self.manager, log_samples=False, random_seed=None, numpy_random_seed=None,
                     torch_random_seed=None, fewshot_random_seed=self.seed)
             except FileNotFoundError as e:  # a local task's data is missing (assets/harness)
-                raise UserError(f"eval.harness.tasks: {e}") from None
+                raise UserError(f"{self.keys[0]}: {e}") from None
         model.train(was_training)
         tasks = {}
         for name, values in out["results"].items():
@@ -94,6 +95,11 @@ def task_manager(tasks: List[str], include_path: List[str], keys: Tuple[str, str
             raise UserError(f"{folders_key}: folder {folder} does not exist (relative paths start at "
                             f"{Path.cwd()}); pass a folder of lm-eval task YAML files")
         folders.append(folder)
+    for name in tasks:  # the shipped tasks' rows (TASK.jsonl, by TASK.yaml): checked now, not at the run's end
+        data = LOCAL_DATA / f"{name}.jsonl"
+        if (LOCAL_TASKS / f"{name}.yaml").is_file() and not data.is_file():
+            raise UserError(f"{key}: {name}'s rows {data} are missing; run `make install` (or "
+                            "`python tools/assets.py assets`)")
     local = TaskManager(include_path=[str(f) for f in folders], include_defaults=False)
     missing = [t for t in tasks if t not in local.all_tasks]
     if not missing:
