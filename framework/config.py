@@ -184,6 +184,27 @@ class TrainConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """EleutherAI's lm-evaluation-harness on a causal language model (framework/harness.py): at the end of the
+    run and, with ``every_steps``, during it. A recipe turns it on by having an ``eval.harness`` section."""
+
+    tasks: List[str] = field(default_factory=list)
+    """lm-eval task (or group) names: the repository's local ones (framework/harness_tasks: rt_sentiment,
+    hamlet_next_line; their data is made by ``make install``), those in ``include_path``, or lm-eval's own
+    (hellaswag, ...), which read their data from the Hugging Face Hub."""
+    num_fewshot: Optional[int] = _bounded(None, ge=0)
+    """Examples put before each question; default each task's own (0 for the local ones)."""
+    limit: Optional[int] = _bounded(None, gt=0)
+    """Score at most this many examples of each task (the first ones): a quicker, rougher figure."""
+    batch_size: int = _bounded(8, gt=0)
+    """Requests (context + continuation) per forward pass."""
+    every_steps: Optional[int] = _bounded(None, gt=0)
+    """Also run it every this many optimizer steps (not on XLA); default only at the end of the run."""
+    include_path: List[str] = field(default_factory=list)
+    """More folders of lm-eval task YAML files, searched after framework/harness_tasks."""
+
+
+@dataclass
 class EvalConfig:
     every_steps: Optional[int] = _bounded(None, gt=0)
     """Evaluate every this many optimizer steps instead of after every epoch (and always at the end). With
@@ -201,6 +222,8 @@ class EvalConfig:
     summary.json); default: the first words of the first eval document."""
     max_new_tokens: int = _bounded(32, ge=1)
     """Causal language models: the length of that generation."""
+    harness: Optional[HarnessConfig] = None
+    """Causal language models: lm-evaluation-harness tasks to score the model on (see HarnessConfig); null: none."""
 
 
 @dataclass
@@ -436,6 +459,8 @@ RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "report.enabled", "r
                     "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume")
 # Free only while no metric picks the best model or stops early: then evaluation points decide the result.
 RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
+# The harness reads the model and leaves the random state alone: its keys never change what is trained.
+RESUME_FREE_PREFIXES = ("eval.harness",)
 
 
 # ---------------------------------------------------------------- loading
@@ -511,7 +536,7 @@ def resume_differences(saved: Dict[str, Any], cfg: RunConfig) -> tuple[List[str]
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             line = f"{key}: {_show(old.get(key))} -> {_show(new.get(key))}"
-            (harmless if key in free else changed).append(line)
+            (harmless if key in free or key.startswith(RESUME_FREE_PREFIXES) else changed).append(line)
     return changed, harmless
 
 
@@ -732,6 +757,13 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     for name in cfg.report_to:
         if name not in TRACKER_PACKAGES:
             problems.append(f"report_to: {name!r} is not a tracker; use any of {', '.join(TRACKER_PACKAGES)}")
+    harness = cfg.eval.harness
+    if harness is not None:
+        if cfg.task in TASKS and not get_task(cfg.task).harness:
+            problems.append(f"eval.harness: lm-evaluation-harness scores causal language models, not {cfg.task}; "
+                            "remove eval.harness")
+        if not harness.tasks:
+            problems.append("eval.harness.tasks: name at least one lm-eval task, e.g. [rt_sentiment, hamlet_next_line]")
     if cfg.train.early_stopping_patience and cfg.eval.metric is None:
         problems.append("train.early_stopping_patience needs eval.metric (the metric that must keep improving)")
     o = cfg.optim

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 from huggingface_hub import constants
@@ -11,18 +12,27 @@ from huggingface_hub import constants
 from framework.errors import UserError
 
 
-def require_hub(key: str, name: str) -> None:
-    """Raise a UserError naming ``key`` when ``name`` would need the Hub and the Hub cannot be reached."""
-    hint = ("use data.train_file (and data.eval_file) with local files instead" if key.endswith(".dataset") else
-            "point it at a local folder holding config.json, the weights and the tokenizer")
+def hub_unreachable() -> Optional[str]:
+    """Why the Hub cannot be reached ("the Hub (host) is unreachable (reason)"), or None when it can, or when
+    HF_HUB_OFFLINE is set: the clients then read only their local cache, and fail fast when it lacks the files."""
     if constants.HF_HUB_OFFLINE:
-        return  # the clients then read only their local cache, and fail fast when it lacks the files
+        return None
     url = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
     except OSError as e:
-        raise UserError(f"{key}: '{name}' is not a local path and the Hub ({url.hostname}) is unreachable "
-                        f"({e.strerror or e}); {hint} (or set HF_HUB_OFFLINE=1 to use the Hugging Face cache)") from None
+        return f"the Hub ({url.hostname}) is unreachable ({e.strerror or e})"
+    return None
+
+
+def require_hub(key: str, name: str) -> None:
+    """Raise a UserError naming ``key`` when ``name`` would need the Hub and the Hub cannot be reached."""
+    hint = ("use data.train_file (and data.eval_file) with local files instead" if key.endswith(".dataset") else
+            "point it at a local folder holding config.json, the weights and the tokenizer")
+    reason = hub_unreachable()
+    if reason:
+        raise UserError(f"{key}: '{name}' is not a local path and {reason}; {hint} (or set HF_HUB_OFFLINE=1 to use "
+                        "the Hugging Face cache)")
 
 
 def check_model_path(name: str, key: str = "model.name_or_path") -> None:

@@ -44,7 +44,7 @@ def _figure(panels: int, width: float = 4.2, height: float = 2.9, left: float = 
 
 def _panels(runs: Dict[str, List[dict]]) -> List[Tuple[str, list]]:
     """The panels that have data in at least one run."""
-    keys = {k for records in runs.values() for r in records for k in r}
+    keys = {k for records in runs.values() for r in records for k, v in r.items() if isinstance(v, (int, float))}
     metrics = sorted(k for k in keys if k.startswith("eval_") and k not in COUNTS)
     candidates = FIXED_PANELS + [(m[len("eval_"):], [(m, "eval", "-o")]) for m in metrics] + SPEED_PANELS
     return [(title, lines) for title, lines in candidates if any(key in keys for key, _, _ in lines)]
@@ -74,6 +74,52 @@ def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:
         ax.grid(alpha=0.3)
         if len(runs) > 1 or len(lines) > 1:
             ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def harness(records: List[dict], path: Path) -> Optional[Path]:
+    """The lm-evaluation-harness figures against the step, one panel per task (its metrics, without their
+    standard errors, as lines); None (nothing written) unless the harness ran more than once."""
+    runs = [r for r in records if any(k.startswith("harness/") for k in r)]
+    if len(runs) < 2:
+        return None
+    tasks: Dict[str, List[str]] = {}
+    for r in runs:
+        for key in r:
+            parts = key.split("/")
+            if len(parts) == 3 and not parts[2].endswith("_stderr") and parts[2] != "samples":
+                metrics = tasks.setdefault(parts[1], [])
+                if parts[2] not in metrics:
+                    metrics.append(parts[2])
+    fig, axes = _figure(len(tasks))
+    for ax, (task, metrics) in zip(axes, tasks.items()):
+        for metric in metrics:
+            points = [(r["step"], r[f"harness/{task}/{metric}"]) for r in runs if f"harness/{task}/{metric}" in r]
+            ax.plot(*zip(*points), "-o", label=metric, markersize=3, linewidth=1.4)
+        ax.set_title(f"harness: {task}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def confusion(matrix: List[List[int]], labels: List[str], path: Path) -> Path:
+    """A confusion matrix (rows: the true class, columns: the predicted one), each cell with its count."""
+    import numpy as np
+
+    counts = np.asarray(matrix)
+    size = max(3.2, 0.55 * len(labels) + 1.6)
+    fig, (ax,) = _figure(1, width=size + 0.8, height=size, left=1.2)
+    ax.imshow(counts, cmap="Blues")
+    for (i, j), n in np.ndenumerate(counts):
+        ax.text(j, i, str(n), ha="center", va="center", fontsize=8,
+                color="white" if n > counts.max() / 2 else "black")
+    ticks = list(range(len(labels)))
+    ax.set_xticks(ticks, labels, rotation=45 if len(labels) > 4 else 0, fontsize=8)
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title("confusion matrix (eval)")
     return _save(fig, path)
 
 

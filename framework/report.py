@@ -142,7 +142,8 @@ class Reporter:
             f.write(json.dumps(record) + "\n")
         numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         self.accelerator.log(numbers, step=record["step"])
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+                         if not isinstance(v, (dict, list)))  # per-class figures: in summary.json and the report
         self.bar.write(shown)
         if self.page is not None:
             self.page.due()
@@ -237,7 +238,7 @@ def final_figures(output_dir: Path) -> Dict[str, object]:
         return {"finished": False, **{k: v for k, v in latest.items() if k != "epoch"}}
     train = summary["train"]
     figures = {"finished": True, "step": train["steps"], "loss": train["loss"],
-               **{f"eval_{k}": v for k, v in summary["eval"].items()},
+               **{f"eval_{k}": v for k, v in summary["eval"].items() if not isinstance(v, (dict, list))},
                "samples_per_second": train["samples_per_second"], "tokens_per_second": train["tokens_per_second"],
                "mfu": summary.get("mfu"), "train_seconds": train["wall_seconds"],
                "peak_memory": _mib(summary["memory"]["peak_bytes"])}
@@ -261,6 +262,13 @@ def write_report(output_dir: Path, live: Optional[Dict[str, object]] = None) -> 
     if facts.get("memory_plan"):
         images.append(("memory", plots.memory(facts["memory_plan"], (summary or {}).get("memory"),
                                               folder / "memory.png")))
+    harness_curve = plots.harness(records, folder / "harness.png")
+    if harness_curve:
+        images.append(("harness", harness_curve))
+    matrix = ((summary or {}).get("eval") or {}).get("confusion_matrix")
+    if matrix:
+        images.append(("confusion", plots.confusion(matrix, class_names(output_dir, len(matrix)),
+                                                    folder / "confusion.png")))
     write_text(output_dir / PAGE, _page(output_dir, records, summary, facts, images))
     return output_dir / PAGE
 
@@ -299,6 +307,8 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
                      _mib(measured.get("peak_bytes"))))
         parts += ["<h2>Memory per device</h2>", _table(rows, ["part", "plan (estimate)", "measured"]),
                   f"<img src='{PLOTS}/memory.png' alt='memory'>"]
+    parts += _harness_section(summary, images)
+    parts += _classes_section(output_dir, summary, images)
     if summary and summary.get("sample"):
         parts += ["<h2>Sample</h2>", _table([(summary["sample"]["prompt"], summary["sample"]["generated"])],
                                             ["prompt", "generated"])]
@@ -308,6 +318,40 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
     body = "\n".join(parts)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(output_dir.name)}</title>"
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def class_names(output_dir: Path, count: int) -> List[str]:
+    """Class id -> name, from the saved model's ``id2label`` (the ids themselves where it has none)."""
+    config = _read_json(output_dir / "model" / "config.json") or {}
+    names = config.get("id2label") or {}
+    return [str(names.get(str(i), i)) for i in range(count)]
+
+
+def _harness_section(summary: Optional[dict], images: list) -> List[str]:
+    """The latest lm-evaluation-harness figures, one row per task, and their curve where it ran more than once."""
+    result = (summary or {}).get("harness")
+    if not result:
+        return []
+    metrics = list(dict.fromkeys(m for figures in result["tasks"].values() for m in figures))
+    rows = [(task, *[figures.get(m, "") for m in metrics]) for task, figures in result["tasks"].items()]
+    parts = ["<h2>lm-evaluation-harness</h2>",
+             f"<p>at step {result['step']}, {result['seconds']:.1f} s; num_fewshot {_fmt(result['num_fewshot'])}, "
+             f"limit {_fmt(result['limit'])}, lm-eval {html.escape(str(result['lm_eval']))}</p>",
+             _table(rows, ["task", *metrics])]
+    parts += [f"<img src='{PLOTS}/{path.name}' alt='harness'>" for name, path in images if name == "harness"]
+    return parts
+
+
+def _classes_section(output_dir: Path, summary: Optional[dict], images: list) -> List[str]:
+    """Classification: precision, recall and F1 per class, and the confusion matrix."""
+    per_class = ((summary or {}).get("eval") or {}).get("per_class")
+    if not per_class:
+        return []
+    names = class_names(output_dir, len(per_class))
+    rows = [(names[int(c)], v["precision"], v["recall"], v["f1"], v["support"]) for c, v in per_class.items()]
+    parts = ["<h2>Classes (eval)</h2>", _table(rows, ["class", "precision", "recall", "f1", "support"])]
+    parts += [f"<img src='{PLOTS}/{path.name}' alt='confusion matrix'>" for name, path in images if name == "confusion"]
+    return parts
 
 
 # ---------------------------------------------------------------- comparing runs

@@ -17,7 +17,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import adapters, checkpoint, data, device, flops, hub, memory, report, streaming, xla_spmd
+from framework import adapters, checkpoint, data, device, flops, harness, hub, memory, report, streaming, xla_spmd
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -41,6 +41,7 @@ class TrainState:
     best_step: Optional[int] = None  # the step whose model is in model/ when eval.metric is set
     best_value: Optional[float] = None
     evals_without_improvement: int = 0
+    harness: Optional[dict] = None  # the latest lm-evaluation-harness result, with its step (eval.harness)
     stopped_early: bool = False
     window: Optional[dict] = None  # the unlogged part of the loss window, at the checkpoint
 
@@ -67,6 +68,7 @@ class Run:
     model_flops: flops.ModelFlops
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
     clock: Clock
+    harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
 
 
 def eval_rows(cfg: RunConfig, mesh: xla_spmd.Mesh) -> int:
@@ -107,6 +109,12 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(problems[0])
 
     accelerator, mesh = device.build_accelerator(cfg)
+    lm_harness = None
+    if cfg.eval.harness is not None:
+        if cfg.eval.harness.every_steps and device.needs_static_shapes(accelerator):
+            raise UserError("eval.harness.every_steps: on XLA the harness runs once, at the end, on a host copy of "
+                            "the model (each request's new shape would compile a new graph); remove it")
+        lm_harness = harness.Harness(cfg.eval.harness, cfg.seed)
     if start.resume_from is not None:
         checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
     set_seed(cfg.seed)
@@ -201,7 +209,7 @@ def setup(cfg: RunConfig) -> Run:
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock())
+               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness)
 
 
 @dataclass
@@ -380,6 +388,9 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
                 _log_train(run, reporter, state, window)
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
             _log_eval(run, reporter, state)
+        if run.harness is not None and run.harness.due(state.step):
+            with run.compile_watch.host_work(), run.clock.phase("eval"):
+                _log_harness(run, reporter, state, device.unwrap(run.accelerator, run.model, run.mesh))
         saves.after_step(state, window)
         profiler.after_step(state.step)
         if state.step >= run.total_steps or state.stopped_early:
@@ -455,6 +466,13 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
             state.stopped_early = True
             reporter.print(f"early stopping at step {state.step}: eval {metric} has not improved for {patience} "
                            f"evaluations (best {state.best_value:.4g} at step {state.best_step})")
+
+
+def _log_harness(run: Run, reporter: Reporter, state: TrainState, model: torch.nn.Module) -> None:
+    """lm-evaluation-harness on ``model``, on every process (framework/harness.py says why); the main logs it."""
+    result = run.harness.evaluate(model, run.tokenizer)
+    state.harness = {"step": state.step, **result}
+    reporter.log({"step": state.step, **harness.scalars(result)})
 
 
 def _save_model(run: Run) -> None:
@@ -590,6 +608,10 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         summary["sample"] = sample
         if acc.is_main_process:
             print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
+    if run.harness is not None:  # on the model the sample came from (on XLA: its host copy)
+        if state.harness is None or state.harness["step"] != state.step:
+            _log_harness(run, reporter, state, device.for_generation(acc, run.model, run.mesh))
+        summary["harness"] = state.harness
     wall = time.perf_counter() - started
     summary["wall_seconds"] = wall  # setup, the loop's parts and the finish (evaluation, saving) add up to it
     summary["time"] = {"setup": fit_start - started, **fit_time, "finish": wall - (fit_start - started) - fit_seconds}

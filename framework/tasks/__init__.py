@@ -20,6 +20,7 @@ devices, checkpoints and reports know nothing else about it. A task owns:
 - ``for_run(model, accelerator, cfg)``: the task as one run uses it: a copy holding the recipe's settings of its
   loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
+- ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Task:
     metric: str  # the headline metric, printed at the end
     lower_is_better = ("loss", "perplexity")
     token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+    harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
 
     def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":

@@ -37,6 +37,7 @@ class CausalLM(LanguageModel):
     name = "causal_lm"
     pipeline = "text-generation"
     architectures = "gpt2, llama, ..."
+    harness = True
 
     def load(self, cfg, train, evaluation):
         m = cfg.model

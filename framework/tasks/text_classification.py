@@ -1,4 +1,5 @@
-"""Sequence classification with ``AutoModelForSequenceClassification``: accuracy and macro F1.
+"""Sequence classification with ``AutoModelForSequenceClassification``: accuracy, macro F1, and per class
+precision, recall, F1 and the confusion matrix.
 
 Recipe keys: ``data.text_column``, ``data.text_pair_column``, ``data.label_column``, ``data.labels``,
 ``data.max_length``; the model is pretrained (``model.name_or_path``). The loss is normalised by examples.
@@ -119,20 +120,29 @@ class TextClassification(Task):
             "loss": F.cross_entropy(logits, labels, reduction="none"),
         }
 
-    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, object]:
+        """Loss, accuracy and macro F1 (over the classes present), the examples, and per class (by label id, 0 up
+        to the largest id seen): precision, recall, F1 and support, and the confusion matrix (rows: the true
+        class, columns: the predicted one). A class never predicted has precision 0, as scikit-learn gives it."""
         preds, labels = gathered["predictions"], gathered["labels"]
-        classes = np.union1d(preds, labels)
-        f1s = []
-        for c in classes:
-            tp = np.sum((preds == c) & (labels == c))
-            fp = np.sum((preds == c) & (labels != c))
-            fn = np.sum((preds != c) & (labels == c))
-            f1s.append(2 * tp / (2 * tp + fp + fn))
+        classes = int(max(preds.max(), labels.max())) + 1
+        confusion = np.zeros((classes, classes), dtype=np.int64)
+        np.add.at(confusion, (labels, preds), 1)
+        tp = np.diag(confusion)
+        predicted, support = confusion.sum(axis=0), confusion.sum(axis=1)
+        precision = np.divide(tp, predicted, out=np.zeros(classes), where=predicted > 0)
+        recall = np.divide(tp, support, out=np.zeros(classes), where=support > 0)
+        # 2tp / (2tp + fp + fn): 0 for a class with no true or predicted example (none are counted in the mean).
+        f1 = np.divide(2 * tp, predicted + support, out=np.zeros(classes), where=predicted + support > 0)
+        present = (predicted + support) > 0
         return {
             "loss": float(np.mean(gathered["loss"], dtype=np.float64)),
             "accuracy": float(np.mean(preds == labels)),
-            "f1": float(np.mean(f1s)),
+            "f1": float(np.mean(f1[present])),
             "examples": int(len(labels)),
+            "per_class": {str(c): {"precision": float(precision[c]), "recall": float(recall[c]), "f1": float(f1[c]),
+                                   "support": int(support[c])} for c in range(classes)},
+            "confusion_matrix": confusion.tolist(),
         }
 
 
