@@ -44,7 +44,7 @@ test:
 # minutes each) and variants of runs make test checks (LoRA and a causal LM over SPMD on XLA). .ci/run runs them
 # after make test.
 test-slow: install install-xla
-	$(BIN)/python -m pytest -m "slow and not xla" tests
+	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
 ifeq ($(XLA_PLATFORM),yes)
 	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests
 endif
@@ -57,7 +57,7 @@ bench: install
 	$(BIN)/python benchmarks/chunked_loss.py --rounds 3
 
 test-cpu: install
-	$(BIN)/python -m pytest -m "not xla and not slow" tests
+	$(BIN)/python -m pytest -m "not xla and not slow" --durations=25 tests
 
 # The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two;
 # then tests/test_fsdp.py unchanged (its slow variants too) on 2 GPUs over NCCL: what the CPU tier proved over gloo.
@@ -81,7 +81,7 @@ endif
 
 test-xla: install-xla
 ifeq ($(XLA_PLATFORM),yes)
-	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "xla and not slow" tests
+	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "xla and not slow" --durations=15 tests
 else
 	@echo "test-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
