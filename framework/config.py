@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Union
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -371,15 +372,22 @@ RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
 def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
     """Load a recipe (with its ``extends`` chain), apply ``KEY=VALUE`` overrides, validate, and return it."""
     raw = _load_recipe(Path(path), ()) if path is not None else OmegaConf.create({})
-    raw = OmegaConf.merge(raw, _parse_overrides(overrides))
+    try:
+        raw = OmegaConf.merge(raw, _parse_overrides(overrides))
+    except OmegaConfBaseException as e:  # e.g. a key of a list given as a mapping
+        raise UserError(f"overrides {' '.join(overrides)}: cannot apply them to the recipe: "
+                        f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
     try:
         data = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:
-        raise UserError(f"recipe: cannot resolve an interpolation: {e}") from None
+        key = getattr(e, "full_key", None)
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{key or 'recipe'}: cannot resolve its interpolation ({reason}); write ${{other.key}} or "
+                        "${oc.env:VARIABLE} with a key or variable that exists") from None
     data.pop("extends", None)
     cfg, problems = _build(RunConfig, data, "")
     cfg.env_templates = _env_templates(flatten(OmegaConf.to_container(raw, resolve=False)), flatten(data))
-    problems += _cross_checks(cfg)
+    problems += _cross_checks(cfg) + _unread_keys(cfg.task, data)
     if problems:
         where = f"recipe {path}" if path is not None else "recipe"
         raise UserError(f"{where} has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
@@ -456,6 +464,8 @@ def _load_recipe(path: Path, chain: tuple) -> Any:
     parents = conf.get("extends") or []
     if isinstance(parents, str):
         parents = [parents]
+    if not OmegaConf.is_list(parents) and not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise UserError(f"recipe {path}: extends must be a recipe path or a list of them, not {_show(parents)}")
     merged = OmegaConf.create({})
     for parent in parents:
         parent_path = path.parent / str(parent)
@@ -465,14 +475,24 @@ def _load_recipe(path: Path, chain: tuple) -> Any:
     return OmegaConf.merge(merged, conf)
 
 
+_KEY_PATH = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
 def _parse_overrides(overrides: List[str]) -> Any:
+    """``KEY=VALUE`` pairs, each value read as YAML, as one config; a malformed one is refused by name."""
+    merged = OmegaConf.create({})
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise UserError(f"override '{item}' must look like KEY=VALUE, for example train.batch_size=16")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
-        raise UserError(f"cannot parse overrides {overrides}: {e}") from None
+        key, sep, value = item.partition("=")
+        if not sep or not _KEY_PATH.fullmatch(key):
+            raise UserError(f"override '{item}' must look like KEY=VALUE with KEY a dotted key path, for example "
+                            "train.batch_size=16")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UserError(f"override '{item}': the value of {key} is not valid YAML ({reason}); write a "
+                            f"complete value (a list as [1, 2]) or quote it as text ({key}='{value}')") from None
+    return merged
 
 
 # ---------------------------------------------------------------- validation
@@ -678,6 +698,26 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
                         "and optim.scheduler=constant")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         problems.append(f"optim.betas: {o.betas} must be two numbers in [0, 1)")
+    return problems
+
+
+def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:
+    """Task-specific keys (``Task.reads`` of any task) that the recipe sets, to something else than their
+    default, but its task does not read: a setting that would be silently ignored. (A key at its default is
+    let through: ``--print-config`` and config.yaml write every key, and must load again.)"""
+    from framework.tasks import TASKS, get_task, task_keys
+
+    if task_name not in TASKS:
+        return []
+    reads = get_task(task_name).reads
+    defaults = flatten(dataclasses.asdict(RunConfig()))
+    present = {key for key, value in flatten(data).items() if value is not None and value != defaults.get(key)}
+    problems = []
+    for key in task_keys():
+        if key in reads or not any(p == key or p.startswith(key + ".") for p in present):
+            continue
+        problems.append(f"{key}: {task_name} does not read it (it reads {', '.join(reads) or 'none of these keys'}); "
+                        "remove it")
     return problems
 
 

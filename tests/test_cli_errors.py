@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import synthetic_rows, tiny_args, write_csv
+from in_process import run_main
 from framework.cli import main
 
 
@@ -46,9 +47,10 @@ def test_column_not_in_data_names_the_columns(capsys, args):
     assert "data.text_column: column 'review' is not in" in err and "its columns are text, label" in err
 
 
-def test_empty_after_filtering(capsys, args):
-    err = fails(capsys, args("data.labels=[fresh,rotten]"))
-    assert "has no usable rows" in err and "filtered out by the recipe" in err
+def test_labels_the_file_lacks_name_the_filter_and_the_files_labels(capsys, args):
+    err = fails(capsys, args("data.labels=[happy,sad]"))
+    assert "data.labels: none of ['happy', 'sad'] is a label of data.train_file" in err
+    assert "its column 'label' holds neg, pos" in err
 
 
 def test_single_class(capsys, tiny_model, tmp_path):
@@ -100,3 +102,64 @@ def test_hub_dataset_while_offline(capsys, args, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     err = fails(capsys, args("data.train_file=null", "data.dataset=rotten_tomatoes"))
     assert "data.dataset" in err and "use data.train_file" in err
+
+
+# ---------------------------------------------------------------- inputs found by tests/test_fuzz_inputs.py (issue 22)
+
+
+def test_malformed_override_through_the_cli(capsys, args):
+    err = fails(capsys, args("train.batch_size=[1"))
+    assert "override 'train.batch_size=[1': the value of train.batch_size is not valid YAML" in err
+
+
+@pytest.mark.parametrize("lines, expected", [
+    # the first data row longer than the header: pandas would take its surplus leading fields as an index
+    (["text,label", "row 0,pos,extra,cols", "a good film,pos"], "line 2 has 4 fields, but its header has 2"),
+    (["text,label", "a good film,pos", "row 0,pos,extra,cols"], "line 3 has 4 fields, but its header has 2"),
+    (["text,label", "a good film,pos", "a bad film"], "line 3 has 1 fields, but its header has 2"),
+    (["text,text", "a good film,pos"], "names column 'text' more than once"),
+    ([], "has no header line"),
+])
+def test_a_table_pandas_would_misread_is_refused_naming_the_line(capsys, tiny_model, tmp_path, lines, expected):
+    data = tmp_path / "ragged.csv"
+    data.write_text("".join(line + "\n" for line in lines + ["a bad film,neg"] * 20 if lines))
+    err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out"))
+    assert f"data.train_file: {data}" in err and expected in err
+
+
+def test_quoted_fields_and_blank_lines_are_read_as_pandas_reads_them(capsys, tiny_model, tmp_path, hf_home):
+    data = tmp_path / "quoted.csv"
+    data.write_text('text,label\n"a good, fine film",pos\n\n"a bad\nfilm",neg\n' * 20)
+    assert run_main(tiny_args(tiny_model, data, tmp_path / "out", "--dry-run"), hf_home) == 0
+
+
+def test_a_file_not_in_utf8_is_named(capsys, tiny_model, tmp_path):
+    data = tmp_path / "latin1.csv"
+    data.write_bytes("text,label\ncaf\u00e9 tr\u00e8s bien,pos\nmauvais,neg\n".encode("latin-1") * 10)
+    err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out"))
+    assert f"{data} is not UTF-8 text" in err
+
+
+def test_a_truncated_compressed_file_is_named(capsys, tiny_model, easy_data, tmp_path):
+    import gzip
+
+    data = tmp_path / "cut.csv.gz"
+    data.write_bytes(gzip.compress(easy_data.read_bytes())[:300])
+    err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out"))
+    assert f"data.train_file: cannot read {data}" in err
+
+
+def test_a_text_column_of_numbers_names_the_column_and_its_type(capsys, word_tokenizer, tmp_path):
+    from test_language_models import lm_args
+
+    data = tmp_path / "numbers.jsonl"
+    data.write_text("".join(f'{{"text": {i}}}\n' for i in range(50)))
+    err = fails(capsys, lm_args(word_tokenizer, data, tmp_path / "out"))
+    assert f"data.text_column: column 'text' of data.train_file {data} holds int64 values, not text" in err
+
+
+def test_a_key_the_task_does_not_read_through_the_cli(capsys, word_tokenizer, corpus, tmp_path):
+    from test_language_models import lm_args
+
+    err = fails(capsys, lm_args(word_tokenizer, corpus, tmp_path / "out", "data.max_length=4096"))
+    assert "data.max_length: causal_lm does not read it (it reads data.packing, data.block_size" in err

@@ -37,6 +37,7 @@ class CausalLM(LanguageModel):
     name = "causal_lm"
     pipeline = "text-generation"
     architectures = "gpt2, llama, ..."
+    reads = ("data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens")
 
     def load(self, cfg, train, evaluation):
         m = cfg.model

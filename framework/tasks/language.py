@@ -58,8 +58,6 @@ class LanguageModel(Task):
                 problems.append("model.tokenizer is required with model.config: the tokenizer to train with")
             if not isinstance(m.config.get("model_type"), str):
                 problems.append(f"model.config.model_type is required ({self.architectures}): the architecture to build")
-        if cfg.data.text_pair_column:
-            problems.append(f"data.text_pair_column: {self.name} reads one text column; remove it")
         return problems
 
     def metric_names(self):

@@ -30,13 +30,7 @@ class MaskedLM(LanguageModel):
     name = "masked_lm"
     pipeline = "fill-mask"
     architectures = "bert, roberta, ..."
-
-    def check(self, cfg) -> List[str]:
-        problems = super().check(cfg)
-        if cfg.data.packing:
-            problems.append("data.packing: masked_lm trains one text per row (truncated to data.block_size); "
-                            "remove data.packing")
-        return problems
+    reads = ("data.block_size", "data.mlm_probability")  # one text per row, truncated to block_size: no packing
 
     def load(self, cfg, train, evaluation):
         m = cfg.model

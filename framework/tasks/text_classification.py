@@ -25,6 +25,7 @@ class TextClassification(Task):
     name = "text_classification"
     pipeline = "text-classification"
     metric = "accuracy"
+    reads = ("data.text_pair_column", "data.label_column", "data.labels", "data.max_length")
 
     def check(self, cfg) -> List[str]:
         problems = []
@@ -32,8 +33,6 @@ class TextClassification(Task):
             problems.append("model.name_or_path is required: text_classification fine-tunes a pretrained model")
         if cfg.model.config is not None:
             problems.append("model.config: text_classification fine-tunes a pretrained model; use model.name_or_path")
-        if cfg.data.packing:
-            problems.append("data.packing: only language models pack documents; remove it for text_classification")
         if cfg.data.streaming and not cfg.data.labels:
             problems.append("data.labels is required with data.streaming: the label set (and the model's head) "
                             "must be known before the stream is read, e.g. data.labels=[negative,positive]")
