@@ -372,11 +372,7 @@ RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
 def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
     """Load a recipe (with its ``extends`` chain), apply ``KEY=VALUE`` overrides, validate, and return it."""
     raw = _load_recipe(Path(path), ()) if path is not None else OmegaConf.create({})
-    try:
-        raw = OmegaConf.merge(raw, _parse_overrides(overrides))
-    except OmegaConfBaseException as e:  # e.g. a key of a list given as a mapping
-        raise UserError(f"overrides {' '.join(overrides)}: cannot apply them to the recipe: "
-                        f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    raw = _merge(raw, _parse_overrides(overrides), f"overrides {' '.join(overrides)}")
     try:
         data = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:
@@ -471,8 +467,19 @@ def _load_recipe(path: Path, chain: tuple) -> Any:
         parent_path = path.parent / str(parent)
         if not parent_path.is_file():
             raise UserError(f"recipe {path}: extends '{parent}', but {parent_path} does not exist")
-        merged = OmegaConf.merge(merged, _load_recipe(parent_path, chain + (path.resolve(),)))
-    return OmegaConf.merge(merged, conf)
+        merged = _merge(merged, _load_recipe(parent_path, chain + (path.resolve(),)), f"recipe {path}")
+    return _merge(merged, conf, f"recipe {path}")
+
+
+def _merge(base: Any, over: Any, what: str) -> Any:
+    """``over`` merged onto ``base``; a key that is a section in one and a list in the other is refused."""
+    try:
+        return OmegaConf.merge(base, over)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{what}: cannot merge {'key ' + key if key else 'it'} onto the recipe ({reason}); a section "
+                        "(a mapping) can only be replaced by a mapping, a list by a list") from None
 
 
 _KEY_PATH = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
@@ -487,11 +494,12 @@ def _parse_overrides(overrides: List[str]) -> Any:
             raise UserError(f"override '{item}' must look like KEY=VALUE with KEY a dotted key path, for example "
                             "train.batch_size=16")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            parsed = OmegaConf.from_dotlist([item])
         except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
             reason = (str(e).splitlines() or [type(e).__name__])[0]
             raise UserError(f"override '{item}': the value of {key} is not valid YAML ({reason}); write a "
                             f"complete value (a list as [1, 2]) or quote it as text ({key}='{value}')") from None
+        merged = _merge(merged, parsed, f"override '{item}'")
     return merged
 
 
@@ -661,6 +669,11 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     else:
         task = get_task(cfg.task)
         problems += task.check(cfg)
+        by_column: Dict[str, List[str]] = {}
+        for key, column in task.columns(cfg).items():
+            by_column.setdefault(column, []).append(key)
+        problems += [f"{' and '.join(keys)} name the same column {column!r}; each must name its own column"
+                     for column, keys in by_column.items() if len(keys) > 1]
         if cfg.eval.metric is not None and cfg.eval.metric not in task.metric_names():
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
                             f"{', '.join(task.metric_names())}")

@@ -27,9 +27,12 @@ from framework.errors import UserError
 from framework.hub import require_hub
 
 # File suffix -> (datasets builder, extra builder arguments). Compression suffixes are stripped first.
+# Tables: only an empty field is a null (pandas would also read NA, null, None, nan, n/a, ... as one, dropping a
+# review whose text is "None" or turning a label "NA" into a missing one).
+_TABLE = {"keep_default_na": False, "na_values": ""}
 _FORMATS = {
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".csv": ("csv", _TABLE),
+    ".tsv": ("csv", {**_TABLE, "delimiter": "\t"}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
@@ -236,7 +239,7 @@ def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Cal
     check_columns(ds.column_names, columns, name, {c: _kind(ds.features[c]) for c in ds.column_names})
     label = columns.get("data.label_column")
     if cfg.labels and label is not None:
-        found = sorted({str(v) for v in ds.unique(label) if v is not None})
+        found = sorted({str(v) for v in ds[label] if v is not None})
         if not set(cfg.labels) & set(found):
             shown = ", ".join(found[:20]) + (f" ... ({len(found)} in all)" if len(found) > 20 else "")
             raise UserError(f"data.labels: none of {cfg.labels} is a label of {name}, so every row is filtered out; "
@@ -252,19 +255,27 @@ def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Cal
     return ds
 
 
-# The keys whose columns must hold text (strings; a null is a row dropped as empty).
+# The keys whose columns must hold text (strings; a null is a row dropped as empty), and those that hold one
+# value per row (strings or numbers: labels).
 TEXT_KEYS = ("data.text_column", "data.text_pair_column")
+SCALAR_KEYS = ("data.label_column",)
+NOT_SCALAR = ("lists", "mappings", "values of several JSON types")
 
 
 def check_columns(present: List[str], columns: Dict[str, str], name: str, kinds: Dict[str, str]) -> None:
-    """Every column the task needs is there, and those of ``TEXT_KEYS`` hold text. ``kinds``: column -> what it
-    holds ("text", or e.g. "int64" or "lists"; None where unknown)."""
+    """Every column the task needs is there, those of ``TEXT_KEYS`` hold text and those of ``SCALAR_KEYS``
+    single values. ``kinds``: column -> what it holds ("text", or e.g. "int64 values" or "lists"; None where
+    unknown)."""
     for key, column in columns.items():
         if column not in present:
             raise UserError(f"{key}: column '{column}' is not in {name}; its columns are {', '.join(present)}")
-        if key in TEXT_KEYS and kinds.get(column) not in ("text", None):
-            raise UserError(f"{key}: column '{column}' of {name} holds {kinds[column]}, not text; point {key} at a "
+        kind = kinds.get(column)
+        if key in TEXT_KEYS and kind not in ("text", None):
+            raise UserError(f"{key}: column '{column}' of {name} holds {kind}, not text; point {key} at a "
                             f"column of strings (its columns are {', '.join(present)})")
+        if key in SCALAR_KEYS and kind in NOT_SCALAR:
+            raise UserError(f"{key}: column '{column}' of {name} holds {kind}; a label is one string or integer "
+                            f"per row: point {key} at such a column (its columns are {', '.join(present)})")
 
 
 def _kind(feature) -> str:
@@ -275,6 +286,8 @@ def _kind(feature) -> str:
         return "lists"
     if isinstance(feature, dict):
         return "mappings"
+    if isinstance(feature, datasets.Json):  # json rows whose values differ in type from row to row
+        return "values of several JSON types"
     return type(feature).__name__
 
 

@@ -163,3 +163,47 @@ def test_a_key_the_task_does_not_read_through_the_cli(capsys, word_tokenizer, co
 
     err = fails(capsys, lm_args(word_tokenizer, corpus, tmp_path / "out", "data.max_length=4096"))
     assert "data.max_length: causal_lm does not read it (it reads data.packing, data.block_size" in err
+
+
+@pytest.mark.parametrize("labels", ["data.labels=[pos,neg]", None])
+def test_a_label_column_of_mixed_json_values_is_named(capsys, tiny_model, tmp_path, labels):
+    """Found by the fuzzing harness: json labels of several types (an arrow.json column) crashed pyarrow's unique()."""
+    data = tmp_path / "mixed.jsonl"
+    data.write_text('{"text": "a good film", "label": [1]}\n{"text": "a bad film", "label": "neg"}\n'
+                    '{"text": "a fine film", "label": {"a": 1}}\n' * 10)
+    err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out", *([labels] if labels else [])))
+    assert f"data.label_column: column 'label' of data.train_file {data} holds values of several JSON types" in err
+
+
+def test_a_table_value_pandas_reads_as_missing_is_kept(tiny_model, tmp_path, hf_home, capsys):
+    """Only an empty field is missing: pandas' default would drop reviews whose text is "None" or "NA"."""
+    data = tmp_path / "na.csv"
+    data.write_text("text,label\n" + "None,pos\nNA,neg\nnull,pos\nn/a,neg\n" * 5)
+    assert run_main(tiny_args(tiny_model, data, tmp_path / "out", "--dry-run", "train.batch_size=2"), hf_home) == 0
+    plan = capsys.readouterr().out
+    assert "train_examples: 18" in plan and "eval_examples: 2" in plan
+
+
+def test_options_may_come_among_the_overrides(tiny_model, easy_data, tmp_path, hf_home, capsys):
+    """Found by the fuzzing harness: an option after an override made argparse exit (SystemExit, its own usage)."""
+    args = tiny_args(tiny_model, easy_data, tmp_path / "out")
+    assert run_main(args[:2] + ["seed=3", "--print-config"] + args[2:], hf_home) == 0
+    assert "seed: 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [(["--bogus"], "error: unrecognized arguments: --bogus; usage: run.py"),
+                                            (["--config"], "error: argument --config: expected one argument")])
+def test_a_bad_option_is_one_error_line(capsys, argv, expected):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(expected)
+
+
+@pytest.mark.parametrize("recipe, override", [("tiny_mlm.yaml", "model.config.num_attention_heads=3"),
+                                              ("tiny_lm.yaml", "model.config.n_head=3")])
+def test_a_model_config_its_library_refuses_is_named(capsys, word_tokenizer, corpus, tmp_path, recipe, override):
+    """Found by the fuzzing harness: masked_lm built its model from the config unguarded (a ValueError)."""
+    from conftest import ROOT
+
+    err = fails(capsys, ["--config", str(ROOT / "tests" / recipe), f"model.tokenizer={word_tokenizer}",
+                         f"data.train_file={corpus}", f"output_dir={tmp_path / 'out'}", override])
+    assert "model.config: cannot build the model" in err and ("attention heads" in err or "num_heads" in err)

@@ -159,9 +159,16 @@ def test_mesh_profile_and_report_keys(base, overrides, expected):
     ("=4", "override '=4' must look like KEY=VALUE"),
     ("seed=${nowhere}", "seed: cannot resolve its interpolation"),
     ("seed=${oc.env:FRAMEWORK_FUZZ_UNSET_VARIABLE}", "seed: cannot resolve its interpolation"),
+    ("data=[]", "overrides data=[]: cannot merge it onto the recipe"),  # was a TypeError from OmegaConf.merge
 ])
 def test_malformed_override_is_named(base, override, expected):
     assert expected in problems(base, [override])
+
+
+def test_a_child_recipe_cannot_turn_a_section_into_a_list(tmp_path):
+    write(tmp_path / "parent.yaml", "data:\n  train_file: a.csv\n")
+    child = write(tmp_path / "child.yaml", "extends: parent.yaml\ndata: [1, 2]\n")
+    assert f"recipe {child}: cannot merge it onto the recipe" in problems(child)
 
 
 def test_extends_must_name_recipes(tmp_path):
@@ -205,3 +212,9 @@ def test_a_printed_recipe_of_every_task_loads_again(tmp_path):
         printed = write(tmp_path / f"{task}.yaml", to_yaml(load_config(write(
             tmp_path / "r.yaml", f"task: {task}\n{model}data:\n  train_file: a.csv\n"), [])))
         assert load_config(printed, []).task == task
+
+
+def test_two_keys_naming_one_column_are_refused(base):
+    """Found by the fuzzing harness: a pair column that is the label column failed inside pyarrow."""
+    assert "data.label_column and data.text_pair_column name the same column 'label'" in problems(
+        base, ["data.text_pair_column=label"])

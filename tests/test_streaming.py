@@ -59,7 +59,8 @@ def test_two_processes_read_their_own_shares_and_resume_bitwise(cli, hf_home, wo
     cli(stream_args(word_tokenizer, shards, whole, "train.max_steps=24"), launch="cpu_ddp.yaml")
     assert json.loads((whole / "summary.json").read_text())["num_processes"] == 2
     crash_then_resume(hf_home, stream_args(word_tokenizer, shards, resumed, "train.max_steps=24"), 11, "cpu_ddp.yaml")
-    assert (resumed / "checkpoints" / "step_24" / "stream_1.pt").is_file()  # each process's own position
+    assert (resumed / "checkpoints" / "step_24" / "stream_1.json").is_file()  # each process's own position
+    assert (resumed / "checkpoints" / "step_24" / "stream_1.safetensors").is_file()
     assert_bitwise_equal_models(whole, resumed)
     assert losses_by_step(resumed) == losses_by_step(whole)
 

@@ -63,10 +63,7 @@ class CausalLM(LanguageModel):
         if config.vocab_size < len(tokenizer):
             raise UserError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
                             f"{len(tokenizer)} tokens; remove it (it defaults to the tokenizer's) or raise it")
-        try:
-            return AutoModelForCausalLM.from_config(config)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
+        return self.from_config(AutoModelForCausalLM, config)
 
     def sequence_length(self, cfg, model) -> int:
         if cfg.data.block_size:

@@ -87,6 +87,14 @@ class LanguageModel(Task):
             raise UserError(f"model.config: cannot build a model config from {cfg.model.config}: "
                             f"{str(e).splitlines()[0]}") from None
 
+    def from_config(self, auto, config):
+        """``auto.from_config(config)``: a new model; the config's own validation (sizes that do not divide) is
+        the user's to fix."""
+        try:
+            return auto.from_config(config)
+        except (ValueError, TypeError, KeyError) as e:
+            raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
+
     def forward(self, model, batch):
         raise NotImplementedError
 

@@ -40,7 +40,7 @@ class MaskedLM(LanguageModel):
         if m.config is not None:
             config = self.new_config(cfg, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id})
             _check_kind(config.model_type, f"model.config: model_type '{config.model_type}'")
-            model = AutoModelForMaskedLM.from_config(config)
+            model = self.from_config(AutoModelForMaskedLM, config)
         else:
             try:
                 _check_kind(AutoConfig.from_pretrained(m.name_or_path).model_type, f"model.name_or_path: '{m.name_or_path}'")
