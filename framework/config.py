@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ class TrainConfig:
     """[START, END]: record a profiler trace of optimizer steps START to END (counted from 1), one file per process
     in ``output_dir/profile/``: torch.profiler's Chrome trace JSON (open it in https://ui.perfetto.dev or
     chrome://tracing), on XLA torch_xla's profiler (TensorBoard's profile plugin reads it)."""
-    cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1)
+    cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1, le=65536)
     """Threads per process for CPU compute. auto: OMP_NUM_THREADS when it is set above 1 (a deliberate
     ``--num_cpu_threads_per_process``), else this machine's cores divided by its processes (plain
     ``accelerate launch`` sets OMP_NUM_THREADS=1, which would leave all but one core idle)."""
@@ -286,7 +287,7 @@ class DistributedConfig:
     local_sgd_steps: Optional[int] = _bounded(None, gt=0)
     """Local SGD: each process steps on its own gradients and parameters are averaged every this many
     optimizer steps (accelerate's LocalSGD), instead of all-reducing gradients every step."""
-    timeout_minutes: Optional[float] = _bounded(None, gt=0)
+    timeout_minutes: Optional[float] = _bounded(None, gt=0, le=10**9)
     """How long a process waits in a collective for the others before it fails (torch.distributed's timeout;
     default torch's: 30 minutes for gloo, 10 for NCCL). A process that died breaks its peers' connections at once;
     this bounds the wait for one that hangs (a frozen machine, a lost network link)."""
@@ -321,7 +322,7 @@ class PeftConfig:
 class RunConfig:
     task: str = "text_classification"
     """What is trained: text_classification, causal_lm or masked_lm (``framework/tasks/``, one module each)."""
-    seed: int = 42
+    seed: int = _bounded(42, ge=0, lt=2**32)
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
     """Where the run writes config.yaml, metrics.jsonl, summary.json, model/ and checkpoints/."""
@@ -620,8 +621,14 @@ def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
 
 
 def _check_bounds(value: Any, bounds: Any) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not bounds:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return ""  # None, or the word of a word-or-number key (cpu_threads: auto)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a finite number"
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        return "a 64-bit integer"
+    if not bounds:
+        return ""
     rules = {"gt": (lambda v, b: v > b, "> {}"), "ge": (lambda v, b: v >= b, ">= {}"),
              "lt": (lambda v, b: v < b, "< {}"), "le": (lambda v, b: v <= b, "<= {}")}
     failed = any(not rules[k][0](value, b) for k, b in bounds.items())

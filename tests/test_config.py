@@ -88,6 +88,13 @@ def test_choice_lists_allowed_values(base):
     ("train.batch_size=-4", "train.batch_size: -4 is out of range; it must be > 0"),
     ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps: 0 is out of range; it must be > 0"),
     ("data.eval_fraction=1.5", "data.eval_fraction: 1.5 is out of range; it must be > 0.0 and < 1.0"),
+    # found by the fuzzing harness: these failed deep inside (timedelta, numpy's seed, a C int)
+    ("distributed.timeout_minutes=1e30", "distributed.timeout_minutes: 1e+30 is out of range; it must be > 0 and <= "),
+    ("seed=-1", "seed: -1 is out of range; it must be >= 0 and < 4294967296"),
+    ("train.cpu_threads=1000000000000", "train.cpu_threads: 1000000000000 is out of range"),
+    ("train.max_steps=99999999999999999999999", "it must be a 64-bit integer"),
+    ("train.max_grad_norm=.inf", "train.max_grad_norm: Infinity is out of range; it must be a finite number"),
+    ("optim.lr=.nan", "optim.lr: NaN is out of range; it must be a finite number"),
 ])
 def test_out_of_range(base, override, expected):
     assert expected in problems(base, [override])

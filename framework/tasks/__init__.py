@@ -28,8 +28,12 @@ from typing import Dict, List, Optional, Tuple
 import datasets
 import numpy as np
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 TASKS = ("text_classification", "causal_lm", "masked_lm")
+# What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
+# size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
+MODEL_ERRORS = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
 class Task:

@@ -28,6 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
+from framework.tasks import MODEL_ERRORS
 from framework.tasks.language import IGNORE, LanguageModel
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
@@ -201,14 +202,14 @@ def _logits_and_targets(model, batch):
 def _pretrained_config(name: str):
     try:
         return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:
+    except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{name}': {str(e).splitlines()[0]}") from None
 
 
 def _pretrained(name: str):
     try:
         return AutoModelForCausalLM.from_pretrained(name)
-    except (OSError, ValueError) as e:
+    except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{name}' as a causal language model: "
                         f"{str(e).splitlines()[0]}") from None
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer
 
 from framework.errors import UserError
-from framework.tasks import Task
+from framework.tasks import MODEL_ERRORS, Task
 
 IGNORE = -100  # the target value cross-entropy skips: padding, and positions with nothing to predict
 
@@ -76,14 +76,14 @@ class LanguageModel(Task):
         key, name = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.name_or_path", m.name_or_path)
         try:
             return AutoTokenizer.from_pretrained(name), key
-        except (OSError, ValueError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"{key}: cannot load a tokenizer from '{name}': {str(e).splitlines()[0]}") from None
 
     def new_config(self, cfg, defaults: Dict):
         """The config of a model to train from scratch: ``model.config`` over ``defaults`` (from the tokenizer)."""
         try:
             return AutoConfig.for_model(**{**defaults, **cfg.model.config})
-        except (ValueError, TypeError, KeyError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"model.config: cannot build a model config from {cfg.model.config}: "
                             f"{str(e).splitlines()[0]}") from None
 
@@ -92,7 +92,7 @@ class LanguageModel(Task):
         the user's to fix."""
         try:
             return auto.from_config(config)
-        except (ValueError, TypeError, KeyError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
 
     def forward(self, model, batch):

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
+from framework.tasks import MODEL_ERRORS
 from framework.tasks.language import IGNORE, LanguageModel
 
 INDEX = "index"  # the example's row number, which seeds its masks
@@ -45,7 +46,7 @@ class MaskedLM(LanguageModel):
             try:
                 _check_kind(AutoConfig.from_pretrained(m.name_or_path).model_type, f"model.name_or_path: '{m.name_or_path}'")
                 model = AutoModelForMaskedLM.from_pretrained(m.name_or_path)
-            except (OSError, ValueError) as e:
+            except MODEL_ERRORS as e:
                 raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a masked language model: "
                                 f"{str(e).splitlines()[0]}") from None
         data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)

@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import Task
+from framework.tasks import MODEL_ERRORS, Task
 
 LABELS = "labels"  # the column transformers models read the targets from
 
@@ -78,7 +78,7 @@ class TextClassification(Task):
                 # A checkpoint fine-tuned on other labels gets a fresh head of the right size.
                 ignore_mismatched_sizes=True,
             )
-        except (OSError, ValueError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"model.name_or_path: cannot load '{name}' for text_classification: "
                             f"{str(e).splitlines()[0]}") from None
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
