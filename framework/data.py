@@ -105,9 +105,11 @@ def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = Fa
     (csv, tsv) are checked first, whole (see ``check_table``)."""
     builder, kwargs = _format(paths[0], key)
     kwargs = {"sample_by": cfg.sample_by} if builder == "text" else dict(kwargs)
-    if builder == "csv":
-        for path in paths:
+    for path in paths:
+        if builder == "csv":
             check_table(path, kwargs.get("delimiter", ","), key)
+        elif builder == "json":
+            check_json(path, key)
     try:
         return datasets.load_dataset(builder, data_files={"data": paths}, split="data", streaming=streaming, **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
@@ -147,6 +149,43 @@ def check_table(path: str, delimiter: str, key: str) -> None:
         raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
     finally:
         csv.field_size_limit(limit)
+
+
+def check_json(path: str, key: str) -> None:
+    """A json/jsonl file must be one JSON document, or JSON lines each holding an object (blank lines aside):
+    checked here because pyarrow's reader, which ``datasets`` uses, crashes the process (a segmentation
+    fault, seen with pyarrow 23) on some malformed lines instead of raising."""
+    try:
+        with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):  # line by line: a stream's file may be large
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    if number == 1 and line.lstrip()[:1] in "[{" and _one_document(path):
+                        return  # one JSON document over several lines (an array of rows)
+                    raise UserError(f"{key}: {path} line {number} is not valid JSON ({e}); write one JSON object "
+                                    "per line") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{key}: {path} line {number} holds a {type(row).__name__}, not an object; "
+                                    'write one JSON object per line, e.g. {"text": "..."}')
+    except UserError:
+        raise
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
+                        "as UTF-8") from None
+    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
+        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
+
+
+def _one_document(path: str) -> bool:
+    with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
+        try:
+            json.load(f)
+            return True
+        except ValueError:
+            return False
 
 
 def root_cause(error: BaseException) -> str:

@@ -212,3 +212,20 @@ def test_a_model_config_its_library_refuses_is_named(capsys, word_tokenizer, cor
     err = fails(capsys, ["--config", str(ROOT / "tests" / recipe), f"model.tokenizer={word_tokenizer}",
                          f"data.train_file={corpus}", f"output_dir={tmp_path / 'out'}", override])
     assert expected in err
+
+
+
+# Found by the fuzzing harness: datasets' json reader (pyarrow's read_json) died of a segmentation fault on this file.
+PYARROW_CRASH = b'null\n{"text": "follows", "label": "\n{"text": "a", "label\n{"label": "", "text": {"r": {"x": []}}}\n{}\n{"other": "\\ufeff", "text": "garden"}\n{"other": "good film"}\n{}\n{"text": "0", "label": "p\n{"text": "", "label": "pos\n{"text": "had"}\n{}\n{"text": "`", "label"\n{}\n{"other": "\\udb7c\\udd5d\\u00d4@[\\u008e\\u009c\\ud846\\udc526\\u0084\\u00e0\\u009b6"}\n{}\n{}\n{"text": "[1"}\n{"text": "U\\u009c"}\n{"text": "\\u202e", "label": {"r": {}, "1": []}}\n{"text": "[1"}\n{}\n{"text": "great", "other": "null"}\n{"text": "\\"\\""}\n{}\n'
+
+
+@pytest.mark.parametrize("content, expected", [
+    (PYARROW_CRASH, "line 1 holds a NoneType, not an object"),
+    (b'{"text": "a good film", "label": "pos"}\n[1, 2]\n', "line 2 holds a list, not an object"),
+    (b'{"text": "a good film", "label": "pos"}\n{"text": "a bad\n', "line 2 is not valid JSON"),
+])
+def test_json_lines_that_are_not_objects_are_named(capsys, tiny_model, tmp_path, content, expected):
+    data = tmp_path / "rows.json"
+    data.write_bytes(content)
+    err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out"))
+    assert f"data.train_file: {data} {expected}" in err
