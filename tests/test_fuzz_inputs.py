@@ -310,7 +310,7 @@ def recipe_cases(draw):
 
 
 @given(case=recipe_cases())
-@budget(400)
+@budget(300)
 def test_recipes_and_overrides(sandbox, hf_home, case):
     task, changes, as_overrides, corrupt_yaml, raw_overrides, options, extends, cut, junk = case
     folder = sandbox.case()
@@ -464,7 +464,7 @@ def parquet(draw) -> bytes:
 
 
 @given(case=data_cases())
-@budget(150)
+@budget(100)
 def test_data_files(sandbox, hf_home, case):
     task, fmt, payload, compression, truncate, cut, overrides, as_eval = case
     folder = sandbox.case()
