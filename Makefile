@@ -65,10 +65,12 @@ bench: install
 test-cpu: install
 	$(BIN)/python -m pytest -m "not xla and not slow" tests
 
-# The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two.
+# The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two;
+# then tests/test_fsdp.py unchanged (its slow variants too) on 2 GPUs over NCCL: what the CPU tier proved over gloo.
 test-gpu: install
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,deepspeed]'
 	$(BIN)/python -m pytest -m gpu tests/test_gpu.py
+	$(BIN)/python -m pytest tests/test_fsdp.py
 
 # The XLA tier: torch 2.9.0 + torch_xla 2.9.0 (its exact match) in their own venv, XLA on the CPU.
 install-xla: $(XVENV)/.installed assets/.ready

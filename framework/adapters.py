@@ -13,7 +13,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -36,9 +36,12 @@ def check(cfg, strategy: str) -> List[str]:
     if cfg.model.config is not None:
         problems.append("peft: adapters train on top of a pretrained model, but model.config builds a new one; set "
                         "model.name_or_path (e.g. the model/ folder of an earlier run) or remove the peft section")
-    if strategy in ("fsdp", "deepspeed", "xla_fsdp"):
-        problems.append(f"peft: adapters run with one process or DDP (and on XLA with xla_spmd), not with "
-                        f"distributed.strategy {strategy}; use distributed.strategy=ddp, or remove the peft section")
+    fsdp1 = strategy == "fsdp" and cfg.distributed.fsdp.version == 1
+    if strategy in ("deepspeed", "xla_fsdp") or fsdp1:
+        name = "fsdp with distributed.fsdp.version 1" if fsdp1 else strategy
+        problems.append(f"peft: adapters run with one process, DDP or FSDP2 (and on XLA with xla_spmd), not with "
+                        f"distributed.strategy {name}; use distributed.strategy=fsdp (version 2) or ddp, or remove "
+                        "the peft section")
     if p.quantize and cfg.backend == "xla":
         problems.append(NO_4BIT_ON_XLA)
     return problems
@@ -100,10 +103,42 @@ def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
         weight = module.weight
         quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                       compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+        # On a CPU with AVX512-bf16, bitsandbytes (0.50) repacks a layer in place into an inference-only layout
+        # at its first forward without gradients (our evaluation), keeps that layout when training resumes,
+        # and fails for layers narrower than its 64-value blocks. One layout, the one training reads, on every CPU.
+        quantized.support_avx512bf16_for_cpu = False
         quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4").to(weight.device)
         if module.bias is not None:
             quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
         model.set_submodule(name, quantized)
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _host_copy(model: torch.nn.Module, state_dict: Optional[Dict[str, torch.Tensor]]) -> torch.nn.Module:
+    """The adapted model rebuilt on the host, unsharded, holding ``state_dict``: its transformers class (FSDP2
+    made the model's class a subclass of it and of FSDPModule) from its config, adapted with its own LoRA config.
+    Building draws random initial weights, which ``state_dict`` then replaces: the global RNG (dropout) is put back."""
+    from peft import get_peft_model
+    from torch.distributed.fsdp import FSDPModule
+
+    if state_dict is None:
+        raise ValueError("a model sharded by FSDP2 is copied from its full state dict, which was not given")
+    base = model.get_base_model()
+    cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
+    with torch.random.fork_rng(devices=[]):
+        host = get_peft_model(cls(base.config), copy.deepcopy(model.peft_config[model.active_adapter]))
+    missing, unexpected = host.load_state_dict(state_dict, strict=False)
+    tied = {name for name, p in host.named_parameters(remove_duplicate=False)} - \
+        {name for name, p in host.named_parameters()}
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"the full state dict does not fit the rebuilt model: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return host
 
 
 def is_adapted(model: torch.nn.Module) -> bool:
@@ -120,14 +155,16 @@ def save(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], tokenizer,
     model.save_pretrained(adapter_path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     if merge:
-        merged(model).save_pretrained(path)
+        merged(model, state_dict).save_pretrained(path)
 
 
-def merged(model: torch.nn.Module) -> torch.nn.Module:
+def merged(model: torch.nn.Module, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
     """A host copy of the adapted model with the adapters added into the base weights: the plain transformers
     model, computing what the adapted one does. 4-bit base layers are dequantized (the weights the adapters
-    trained against), not requantized after the merge, which would round the adapters' update away."""
-    model = copy.deepcopy(model).to("cpu")
+    trained against), not requantized after the merge, which would round the adapters' update away. A model
+    sharded by FSDP2 cannot be copied (fully_shard forbids deepcopy): its copy is built from ``state_dict``,
+    the full one."""
+    model = _host_copy(model, state_dict) if _fsdp_sharded(model) else copy.deepcopy(model).to("cpu")
     replaced = []
     for name, module in list(model.named_modules()):
         base = getattr(module, "base_layer", module)

@@ -261,6 +261,14 @@ class FSDPConfig:
     """Load the pretrained weights on the first process only and broadcast them (less host memory)."""
     offload_params: bool = False
     """Keep parameters and gradients on the CPU between uses."""
+    replicas: int = _bounded(1, ge=1)
+    """FSDP2: HSDP, the processes as a replicas x (processes / replicas) mesh (accelerate's ParallelismConfig
+    dp_replicate_size x dp_shard_size): each replica group holds one copy, sharded over its processes; gradients
+    reduce-scatter within a group and all-reduce across groups. 1: every process shards one copy (FULL_SHARD)."""
+    state_dict: Literal["sharded", "full"] = "sharded"
+    """How checkpoints hold the model and optimizer: sharded (torch.distributed.checkpoint: each process writes
+    its own shards, no process ever holds the whole model) or full (gathered and written by the first process).
+    ``model/`` is always the full model in safetensors."""
 
 
 @dataclass

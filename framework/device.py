@@ -14,7 +14,7 @@ import os
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -84,6 +84,11 @@ def _auto_means_cpu(cfg: RunConfig) -> bool:
     return cfg.backend == "auto" and not _auto_xla(cfg) and not torch.cuda.is_available()
 
 
+def _on_cpu(cfg: RunConfig) -> bool:
+    """Whether the run trains on the CPU: asked for, or no CUDA device (XLA aside)."""
+    return cfg.backend == "cpu" or not torch.cuda.is_available()
+
+
 def check(cfg: RunConfig) -> None:
     """Refuse, before anything is built, the combinations that cannot work here."""
     backend, precision, strategy_ = cfg.backend, cfg.precision, strategy(cfg)
@@ -105,18 +110,28 @@ def check(cfg: RunConfig) -> None:
                             "install one (e.g. `pip install torchao`) or use precision=bf16")
     if strategy_ in ("xla_spmd", "xla_fsdp") and not (xla and has_xla()):
         raise UserError(f"distributed.strategy: {strategy_} needs backend=xla and torch_xla; {XLA_INSTALL}")
-    if strategy_ in ("fsdp", "deepspeed") and (backend == "cpu" or not cuda):
-        fix = ("use strategy=ddp or strategy=auto here" if strategy_ == cfg.distributed.strategy else
-               "launch with a config without it here, e.g. --config_file accelerate_configs/cpu_ddp.yaml")
+    on_cpu = _on_cpu(cfg)
+    if strategy_ == "deepspeed" and on_cpu:
+        fix = ("use strategy=fsdp (FSDP2 runs on CPU processes) or strategy=ddp here"
+               if strategy_ == cfg.distributed.strategy else
+               "launch with accelerate_configs/fsdp.yaml or accelerate_configs/cpu_ddp.yaml here")
         raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs CUDA GPUs (accelerate would silently "
                         f"train plain data-parallel on the CPU); {fix}")
+    if strategy_ == "fsdp" and on_cpu and cfg.distributed.fsdp.version == 1:
+        raise UserError("distributed.fsdp.version: 1 (FlatParameter FSDP) needs CUDA GPUs (accelerate sets it up "
+                        "on CPU processes only as plain data parallel); use distributed.fsdp.version=2, which "
+                        "runs on CPU processes")
     if strategy_ == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs the deepspeed package; "
                         "`pip install deepspeed`")
     if strategy_ == "fsdp" and cfg.distributed.fsdp.version == 2 and \
             cfg.distributed.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
         raise UserError(f"distributed.fsdp.sharding_strategy: {cfg.distributed.fsdp.sharding_strategy} needs "
-                        "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP)")
+                        "distributed.fsdp.version=1 (FSDP2 offers FULL_SHARD and SHARD_GRAD_OP; its hybrid "
+                        "sharding is distributed.fsdp.replicas)")
+    if cfg.distributed.fsdp.replicas > 1 and (strategy_ != "fsdp" or cfg.distributed.fsdp.version != 2):
+        raise UserError("distributed.fsdp.replicas: HSDP is FSDP2's; set distributed.strategy=fsdp with "
+                        "distributed.fsdp.version=2, or remove the key")
     if cfg.distributed.local_sgd_steps and (xla or strategy_ in ("fsdp", "deepspeed", "xla_spmd", "xla_fsdp")):
         where = "XLA" if xla else strategy_
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
@@ -148,10 +163,17 @@ def _plugins(cfg: RunConfig) -> dict:
         wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
         # train.gradient_checkpointing under FSDP means FSDP's own activation checkpointing of each block.
         checkpointing = f.activation_checkpointing or cfg.train.gradient_checkpointing
+        offload = f.offload_params
+        if offload and f.version == 2:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned (page-locked) host memory exists for transfers to an accelerator: CPU processes have none
+            # (pin_memory raised "Cannot access accelerator device"), and their shards are in host memory anyway.
+            offload = CPUOffloadPolicy(pin_memory=not _on_cpu(cfg))
         options = dict(fsdp_version=f.version, auto_wrap_policy=wrap[f.auto_wrap_policy],
-                       activation_checkpointing=checkpointing, cpu_offload=f.offload_params,
+                       activation_checkpointing=checkpointing, cpu_offload=offload,
                        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading, min_num_params=f.min_num_params,
-                       state_dict_type="FULL_STATE_DICT")
+                       state_dict_type=f"{f.state_dict.upper()}_STATE_DICT")
         if f.version == 2:
             options["reshard_after_forward"] = f.sharding_strategy == "FULL_SHARD"
         else:
@@ -164,6 +186,58 @@ def _plugins(cfg: RunConfig) -> dict:
             gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
             gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)
     return plugins
+
+
+def fsdp2_on_cpu_processes(accelerator: Accelerator, plugin) -> bool:
+    """accelerate's own FSDP2 path on CPU processes (gloo): the one switch this project sets in accelerate's
+    state. Returns whether it was needed.
+
+    ``Accelerator(fsdp_plugin=...)`` makes the run ``DistributedType.FSDP`` only for the device kinds
+    ``AcceleratorState.__init__`` lists (MULTI_GPU, MULTI_XPU, MULTI_NPU, ...; accelerate 1.15); CPU processes
+    keep ``MULTI_CPU`` and the plugin is dropped: the run would train plain data parallel. Nothing else in that
+    path is device-bound: ``fsdp2_prepare_model`` calls torch's ``fully_shard`` over a device mesh of the run's
+    device type, the state dicts are DTensor's and torch.distributed.checkpoint's, and gloo has every collective
+    FSDP2 uses (all-gather, reduce-scatter, broadcast). So this does for MULTI_CPU exactly what
+    ``AcceleratorState`` does for the listed kinds: set the mixed-precision policy on the plugin, keep the
+    plugin, and say FSDP in both shared states. It changes nothing when accelerate already set FSDP up (on
+    GPUs, or a later accelerate that lists the CPU), and it runs before ``prepare`` reads any of it; the
+    Accelerator's remaining construction read the distributed type only for fp8 and fp16, which the CPU
+    refuses anyway. tests/test_fsdp.py checks each of these assumptions against the installed accelerate."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or plugin is None or plugin.fsdp_version != 2:
+        return False
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return True
+
+
+def _hybrid_shard(accelerator: Accelerator, replicas: int) -> None:
+    """HSDP: accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes / replicas), set
+    up as ``Accelerator(parallelism_config=...)`` does (its device mesh, then its own validation), but after the
+    FSDP2 switch: given to the constructor, its validation would see CPU processes as MULTI_CPU and refuse them.
+    ``prepare`` then shards each replica over the mesh's dp_shard dimension (``fsdp2_prepare_model``)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    processes = accelerator.num_processes
+    if processes % replicas:
+        raise UserError(f"distributed.fsdp.replicas: {replicas} does not divide the {processes} processes; "
+                        f"launch a multiple of {replicas} processes or change the key")
+    config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes // replicas)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)
+
+
+def parameter_shards(accelerator: Accelerator) -> int:
+    """Over how many processes the sharded states are split: all of them, or under HSDP a replica's."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.dp_shard_size if config is not None and getattr(accelerator, "is_fsdp2", False) else \
+        accelerator.num_processes
 
 
 def _process_group_kwargs(cfg: RunConfig) -> list:
@@ -183,6 +257,7 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
 
     check(cfg)
     mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
+    plugins = _plugins(cfg)
     try:
         accelerator = Accelerator(
             cpu=cfg.backend == "cpu" or _auto_means_cpu(cfg),
@@ -200,10 +275,13 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
             log_with=cfg.report_to or None,
             project_dir=cfg.output_dir,
             kwargs_handlers=_process_group_kwargs(cfg),
-            **_plugins(cfg),
+            **plugins,
         )
     except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
         raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
+    fsdp2_on_cpu_processes(accelerator, plugins.get("fsdp_plugin"))
+    if getattr(accelerator, "is_fsdp2", False) and cfg.distributed.fsdp.replicas > 1:
+        _hybrid_shard(accelerator, cfg.distributed.fsdp.replicas)
     _check_launch(cfg, accelerator)
     if _on_xla(accelerator):
         _masks_without_host_reads()
@@ -319,6 +397,10 @@ def backend_name(accelerator: Accelerator) -> str:
 def strategy_name(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> str:
     kind = accelerator.distributed_type
     if kind == "FSDP":
+        config = getattr(accelerator, "parallelism_config", None)
+        if config is not None and config.dp_replicate_size > 1:
+            return (f"fsdp (version 2, HSDP: {config.dp_replicate_size} replicas x {config.dp_shard_size} "
+                    "shards)")
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
     if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
@@ -341,6 +423,9 @@ def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
         said.append("distributed.strategy ddp with one process: no data parallelism (launch more processes)")
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     d = resolved_distributed(cfg)
+    if d.strategy == "fsdp" and accelerator.distributed_type != "FSDP":
+        said.append("distributed.strategy fsdp without a distributed launch: accelerate trains one plain process "
+                    "(launch with accelerate launch --config_file accelerate_configs/fsdp.yaml)")
     if d.strategy == "deepspeed" and stage and int(stage) != d.deepspeed.zero_stage:
         said.append(f"ZeRO stage {d.deepspeed.zero_stage} comes from the recipe (distributed.deepspeed.zero_stage); "
                     f"the launch config's stage {stage} is not used")
@@ -425,6 +510,11 @@ def for_generation(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_s
     if mesh.shard_parameters:
         return mesh.host_model(accelerator.unwrap_model(model))
     model = unwrap(accelerator, model, mesh)
+    if getattr(accelerator, "is_fsdp2", False):
+        # The weights FSDP2's root holds outside the wrapped blocks (embeddings, final norm) are gathered by the
+        # root's own forward, which a peft model's generate() bypasses (it calls the inner model's): gathered
+        # here instead, once; each block still gathers its own.
+        model.unshard()
     return model.to("cpu") if _on_xla(accelerator) else model
 
 
@@ -559,7 +649,37 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
     state_dict = accelerator.get_state_dict(model)
     if _on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
+    if getattr(accelerator, "is_fsdp2", False):
+        state_dict = _without_tied_copies(accelerator.unwrap_model(model), state_dict)
     return state_dict
+
+
+def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The state dict without the second name of a tied weight (GPT-2's lm_head.weight, the embedding's). FSDP2
+    gathers each name into its own tensor, so save_pretrained, which finds ties by shared storage, wrote both
+    (a model/ that differed from DDP's by a redundant copy of the embedding)."""
+    first: Dict[int, str] = {}
+    copies = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            copies.add(name)
+    return {name: tensor for name, tensor in state_dict.items() if name not in copies}
+
+
+def held_bytes(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> Optional[Callable[[Iterable[torch.Tensor]], int]]:
+    """Where the states are sharded, a function giving the bytes this process (the first device under xla_fsdp)
+    holds of some tensors, read from their shards; None where every process holds them whole."""
+    if getattr(accelerator, "is_fsdp2", False):
+        return _local_shard_bytes
+    return mesh.held_bytes
+
+
+def _local_shard_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this process's shards of these tensors (FSDP2's DTensors; any other tensor counts whole)."""
+    from torch.distributed.tensor import DTensor
+
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _device_name(accelerator: Accelerator) -> str:

@@ -78,7 +78,7 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_byte
         "peak_bytes": peak_bytes,
     }
     if held is not None:
-        result["per_device"] = {"weight_bytes": held(params),
+        result["per_device"] = {"weight_bytes": held(params), "gradient_bytes": held(trainable),
                                 "optimizer_state_bytes": held(_optimizer_state_tensors(optimizer))}
     return result
 
@@ -187,13 +187,16 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
     trainable = [p for p in params if p.requires_grad]
     trainable_count = sum(p.numel() for p in trainable)
     half_copies = distributed.strategy == "deepspeed" and cfg.precision in ("fp16", "bf16")
-    full = {
-        "weights": sum(p.numel() * 2 if half_copies else weight_bytes(p) for p in params),
-        "gradients": sum(p.numel() * (2 if half_copies else p.element_size()) for p in trainable),
-        "optimizer_state": optimizer_state_estimate(trainable, cfg.optim) + (4 * trainable_count if half_copies else 0),
-    }
+    full = _state_bytes_of(params, trainable, cfg, half_copies)
     sharded, offloaded = sharded_states(distributed), offloaded_states(distributed)
-    per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
+    if distributed.strategy == "fsdp" and distributed.fsdp.version == 2 and shards > 1:
+        # FSDP2 splits every parameter on its first dimension into torch.chunk's pieces, the first process's
+        # the largest: that process's bytes, exactly (what summary.json's per_device reads from its shards).
+        first = _state_bytes_of([_first_chunk(p, shards) for p in params],
+                                [_first_chunk(p, shards) for p in trainable], cfg, half_copies)
+        per_device = {k: first[k] if k in sharded else v for k, v in full.items()}
+    else:
+        per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
     checkpointing = cfg.train.gradient_checkpointing or (distributed.strategy == "fsdp"
                                                          and distributed.fsdp.activation_checkpointing)
     seq_length = seq_length or cfg.data.max_length
@@ -220,6 +223,26 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         "logit_bytes": logits,
         "total_bytes": on_device,
     }
+
+
+def _state_bytes_of(params: List[torch.Tensor], trainable: List[torch.Tensor], cfg: RunConfig,
+                    half_copies: bool) -> Dict[str, int]:
+    """Bytes of the weights, gradients and optimizer state of these parameters (``half_copies``: DeepSpeed's
+    16-bit weights and gradients with an fp32 master copy in the optimizer state)."""
+    return {
+        "weights": sum(p.numel() * 2 if half_copies else weight_bytes(p) for p in params),
+        "gradients": sum(p.numel() * (2 if half_copies else p.element_size()) for p in trainable),
+        "optimizer_state": optimizer_state_estimate(trainable, cfg.optim)
+        + (4 * sum(p.numel() for p in trainable) if half_copies else 0),
+    }
+
+
+def _first_chunk(p: torch.Tensor, shards: int) -> torch.Tensor:
+    """The first of ``torch.chunk(p, shards)`` (dimension 0) as a meta tensor: FSDP2's shard on the first process."""
+    if p.dim() == 0:
+        return p.detach().to("meta")
+    rows = math.ceil(p.shape[0] / shards)
+    return torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device="meta")
 
 
 def format_plan(plan: Dict[str, object]) -> str:

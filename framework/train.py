@@ -156,7 +156,7 @@ def setup(cfg: RunConfig) -> Run:
     model = device.place_model(accelerator, model)
     seq_length = task.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
-    shards = mesh.parameter_shards if mesh.shard_parameters else accelerator.num_processes
+    shards = mesh.parameter_shards if mesh.shard_parameters else device.parameter_shards(accelerator)
     memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits)
     model_flops = flops.model_flops(model)
     peak, peak_source = device.peak_flops(accelerator)
@@ -564,7 +564,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         "num_processes": acc.num_processes,
         "precision": acc.mixed_precision,
         "memory": memory.measured(device.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
-                                  device.peak_memory_bytes(acc), held=run.mesh.held_bytes),
+                                  device.peak_memory_bytes(acc), held=device.held_bytes(acc, run.mesh)),
         "memory_plan": run.memory_plan,
         "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
         "flops": {"trained": model_flops, "per_second": model_flops / fit_seconds,

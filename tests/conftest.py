@@ -97,20 +97,20 @@ def hf_home(tmp_path_factory) -> Path:
 
 
 def cli_runner(hf_home: Path):
-    """Run the real CLI in a subprocess: ``run(args, launch=None)``; ``launch`` is an accelerate config
-    file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python. Its environment
+    """Run the real CLI (or another ``script``) in a subprocess: ``run(args, launch=None)``; ``launch`` is an
+    accelerate config file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python. Its environment
     is this process's at the time of the call (a test's monkeypatched variables too)."""
 
     def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
-            launch_args: Sequence[str] = ()):
+            launch_args: Sequence[str] = (), script: Path = RUN):
         env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1"}
         env.pop("ACCELERATE_CONFIG_FILE", None)
         if launch:
             cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / launch), *launch_args, str(RUN), *args]
+                   str(ROOT / "accelerate_configs" / launch), *launch_args, str(script), *args]
         else:
-            cmd = [sys.executable, str(RUN), *args]
+            cmd = [sys.executable, str(script), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -120,7 +120,9 @@ def test_merged_model_loads_in_a_pipeline_and_equals_the_adapted_one(hf_home, ti
 
 def test_qlora_keeps_the_base_in_4_bits(hf_home, tiny_model, easy_data, tmp_path, capsys):
     full, quantized = tmp_path / "lora", tmp_path / "qlora"
-    common = [*LORA, "optim.lr=1e-2", "train.epochs=2"]
+    # lr 3e-2: at 1e-2 two epochs left the random tiny base at chance (eval loss 0.69 = ln 2), and the
+    # accuracy check then read noise (0.70 on one CPU, 0.675 on another).
+    common = [*LORA, "optim.lr=3e-2", "train.epochs=2"]
     assert run_main(classifier_args(tiny_model, easy_data, full, *common), hf_home) == 0
     assert run_main(classifier_args(tiny_model, easy_data, quantized, *common, "peft.quantize=4bit"), hf_home) == 0
     capsys.readouterr()
@@ -133,6 +135,7 @@ def test_qlora_keeps_the_base_in_4_bits(hf_home, tiny_model, easy_data, tmp_path
     linear = layers * (4 * h * h + 2 * h * i) + h * h  # attention, feed-forward, and the pooler
     assert a["weight_bytes"] - b["weight_bytes"] == pytest.approx(linear * (4 - 0.5 - 1 / 64), rel=2e-3)
     assert summary(quantized)["eval"]["accuracy"] >= 0.7
+    assert summary(quantized)["eval"]["loss"] < 0.6  # learned: chance is ln 2 = 0.69
 
 
 # ---------------------------------------------------------------- LoRA on a causal LM
@@ -210,8 +213,8 @@ def test_lora_two_processes_equal_one_with_double_batch(cli, hf_home, pretrained
     (["peft.lora_alpha=8"], "did you mean 'peft.alpha'"),
     (["peft.r=0"], "peft.r: 0 is out of range"),
     (["peft.quantize=4bit", "backend=xla"], "peft.quantize: 4-bit weights need bitsandbytes kernels"),
-    (["distributed.strategy=fsdp"], "peft: adapters run with one process or DDP"),
-], ids=["target_modules", "quantize", "modules_to_save", "typo", "rank", "xla", "fsdp"])
+    (["distributed.strategy=xla_fsdp"], "peft: adapters run with one process, DDP or FSDP2"),
+], ids=["target_modules", "quantize", "modules_to_save", "typo", "rank", "xla", "xla_fsdp"])
 def test_bad_adapter_settings_are_refused_by_key(hf_home, tiny_model, easy_data, tmp_path, capsys, extra, message):
     out = tmp_path / "bad"
     assert run_main(classifier_args(tiny_model, easy_data, out, *LORA, *extra), hf_home) == 2

@@ -30,25 +30,26 @@ def env(hf_home, **extra):
     return {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
-def launch_cmd(script: Path, launch: str):
+def launch_cmd(script: Path, launch: str, launch_args=()):
     if launch is None:
         return [sys.executable, str(script)]
     return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-            str(ROOT / "accelerate_configs" / launch), str(script)]
+            str(ROOT / "accelerate_configs" / launch), *launch_args, str(script)]
 
 
-def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True):
+def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True, launch_args=()):
     """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end. The second run
-    is launched as the first was when ``launch`` names a config or ``in_process`` is False (the XLA tier's runs
-    need a process each: its runtime's devices are fixed at first use), else it runs in this process."""
-    proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch) + args, cwd=ROOT, capture_output=True, text=True,
-                          env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
+    is launched as the first was (with the same ``launch_args``) when ``launch`` names a config or ``in_process``
+    is False (the XLA tier's runs need a process each: its runtime's devices are fixed at first use), else it
+    runs in this process."""
+    proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch, launch_args) + args, cwd=ROOT, capture_output=True,
+                          text=True, env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
     assert proc.returncode != 0, "the run should have been killed"
     if launch is None and in_process:
         resumed = run_captured(args, hf_home)
     else:
-        resumed = subprocess.run(launch_cmd(RUN, launch) + args, cwd=ROOT, capture_output=True, text=True,
-                                 env=env(hf_home), timeout=600)
+        resumed = subprocess.run(launch_cmd(RUN, launch, launch_args) + args, cwd=ROOT, capture_output=True,
+                                 text=True, env=env(hf_home), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return resumed
 

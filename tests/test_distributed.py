@@ -86,15 +86,19 @@ def args(tiny_model, easy_data, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
 @pytest.mark.parametrize("override,message", [
-    ("distributed.strategy=fsdp", "distributed.strategy: fsdp needs CUDA GPUs"),
+    ("distributed.strategy=fsdp distributed.fsdp.version=1", "distributed.fsdp.version: 1 (FlatParameter FSDP) "
+                                                             "needs CUDA GPUs"),
     ("distributed.strategy=deepspeed", "distributed.strategy: deepspeed needs CUDA GPUs"),
+    ("distributed.fsdp.replicas=2", "distributed.fsdp.replicas: HSDP is FSDP2's"),
+    ("distributed.strategy=fsdp distributed.fsdp.sharding_strategy=HYBRID_SHARD", "its hybrid sharding is "
+                                                                                "distributed.fsdp.replicas"),
     ("backend=gpu", "backend: gpu, but torch sees no CUDA device"),
     ("precision=fp16", "precision: fp16 needs a GPU"),
     ("precision=fp8", "precision: fp8 needs an fp8-capable GPU"),
     ("distributed.num_processes=2", "the recipe expects 2 processes but the launch started 1"),
 ])
 def test_mismatch_is_refused(capsys, args, override, message):
-    assert message in error_of(capsys, args(override))
+    assert message in error_of(capsys, args(*override.split()))
 
 
 def test_xla_without_torch_xla_names_the_extra(capsys, args):
@@ -119,12 +123,12 @@ def test_launch_with_fsdp_but_recipe_ddp(capsys, args, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
-@pytest.mark.parametrize("launched", ["fsdp", "deepspeed"])
-def test_strategy_auto_under_an_fsdp_or_deepspeed_launch_is_refused_without_cuda(capsys, args, monkeypatch, launched):
-    monkeypatch.setenv(f"ACCELERATE_USE_{launched.upper()}", "true")
+def test_strategy_auto_under_a_deepspeed_launch_is_refused_without_cuda(capsys, args, monkeypatch):
+    """(FSDP2 under an FSDP launch trains on the CPU: tests/test_fsdp.py.)"""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     err = error_of(capsys, args())
-    assert f"distributed.strategy: {launched} (auto, from the launch config) needs CUDA GPUs" in err
-    assert "accelerate_configs/cpu_ddp.yaml" in err
+    assert "distributed.strategy: deepspeed (auto, from the launch config) needs CUDA GPUs" in err
+    assert "accelerate_configs/fsdp.yaml or accelerate_configs/cpu_ddp.yaml" in err
 
 
 def test_strategy_auto_takes_the_recipe_fsdp_settings_under_an_fsdp_launch(monkeypatch):

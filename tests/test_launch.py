@@ -67,14 +67,6 @@ def test_config_trains_as_many_processes_as_it_started(cli, args, tmp_path, conf
 
 
 @NO_CUDA
-@pytest.mark.multiprocess
-def test_fsdp_config_with_strategy_auto_is_refused_without_cuda(cli, args):
-    proc = cli(args(), launch="fsdp.yaml", launch_args=TWO, check=False)
-    assert proc.returncode != 0
-    assert "error: distributed.strategy: fsdp (auto, from the launch config) needs CUDA GPUs" in proc.stderr
-
-
-@NO_CUDA
 @pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
 def test_deepspeed_config_is_refused_without_deepspeed_or_cuda(cli, args, config):
     proc = cli(args(), launch=config, launch_args=TWO, check=False)

@@ -1,0 +1,331 @@
+"""FSDP2 for real on CPU processes (gloo; NCCL on GPUs under make test-gpu): accelerate's own FSDP2 path
+(device.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
+holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
+(torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
+pipeline(); a checkpoint refuses another process count by name.
+
+The tiny GPT-2 of tests/tiny_lm.yaml: its blocks are what FSDP wraps (transformer_based_wrap), its embedding
+is tied to the output layer."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_metrics
+from in_process import run_captured, train_ok
+from test_adapters import lora_lm_args, pretrained_lm  # noqa: F401  (a fixture)
+from test_checkpoint import crash_then_resume, losses_by_step
+from test_language_models import lm_args
+from test_multinode import free_port, machines, run_ok
+
+CUDA = torch.cuda.is_available()
+# The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
+# deterministic kernels: on the CPU they are; on a GPU the resume is compared within the tolerance below.
+BACKEND = "backend=gpu" if CUDA else "backend=cpu"
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+# 12 optimizer steps of 8 blocks (21 per epoch: the kill below is mid-epoch), a sharded checkpoint every 4.
+COMMON = [BACKEND, "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
+          "train.cpu_threads=1"]
+# FSDP2 sums each gradient shard with a reduce-scatter, DDP with an all-reduce, one process in its own matrix
+# products: the same sums in another order, so fp32 rounding (about 6e-8 of each term) differs. Measured over the
+# 12 steps here: losses within 2.5e-7 of DDP's (bitwise over the first 6 steps) and 5.3e-7 of one process's;
+# weights within 4.6e-6 and 5.0e-6 absolute, the size by which DDP itself differs from one process (4.5e-6): AdamW
+# divides each update by sqrt(v), so a gradient that differs in its last bits moves a weight by up to ~lr * 1e-3.
+# Relative figures mean nothing for weights near 0, so the bound is absolute: 4 x the measured.
+WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
+LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def launch(processes: int = 2) -> list:
+    return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+
+
+def into(args: list, out: Path) -> list:
+    """The same run's arguments with another output_dir."""
+    return [a if not a.startswith("output_dir=") else f"output_dir={out}" for a in args]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
+    """2 processes under accelerate_configs/fsdp.yaml with the default strategy (auto): FSDP2, sharded checkpoints."""
+    out = tmp_path_factory.mktemp("fsdp") / "out"
+    args = lm_args(word_tokenizer, corpus, out, *COMMON)
+    proc = cli_module(args, launch="fsdp.yaml", launch_args=launch())
+    return out, args, proc
+
+
+@pytest.fixture(scope="module")
+def cli_module(hf_home):
+    from conftest import cli_runner
+
+    return cli_runner(hf_home)
+
+
+def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
+    """What device.fsdp2_on_cpu_processes relies on (tests/scripts/fsdp_contract.py says each assumption)."""
+    proc = cli_module([str(free_port())], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "fsdp_contract.py",
+                      launch_args=launch())
+    assert "fsdp2 contract holds" in proc.stdout
+
+
+def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_run, cli_module, corpus,
+                                                                          word_tokenizer, hf_home, tmp_path):
+    out, _, proc = fsdp_run
+    assert "strategy: fsdp (version 2)" in proc.stdout and "num_processes: 2" in proc.stdout
+    ddp, one = tmp_path / "ddp", tmp_path / "one"
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch())
+    train_ok(lm_args(word_tokenizer, corpus, one, *COMMON, "train.batch_size=8"), hf_home)
+    fsdp_losses = torch.tensor(list(losses_by_step(out).values()))
+    assert len(fsdp_losses) == 12
+    for other in (ddp, one):
+        torch.testing.assert_close(fsdp_losses, torch.tensor(list(losses_by_step(other).values())), **LOSS_TOLERANCE)
+        w, expected = weights(out), weights(other)
+        assert w.keys() == expected.keys()  # the tied output layer is not saved twice
+        for name in w:
+            torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    ev = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    ev_one = [r for r in read_metrics(one) if "eval_loss" in r][-1]
+    assert ev["eval_tokens"] == ev_one["eval_tokens"]  # every eval token counted once over the 2 processes
+    assert ev["eval_loss"] == pytest.approx(ev_one["eval_loss"], rel=1e-5)
+
+
+def test_each_process_holds_half_of_the_states_as_the_plan_says(fsdp_run):
+    """summary.json's per_device bytes are read from the first process's local shards (DTensor.to_local()); the
+    plan counts FSDP2's chunks of each parameter's first dimension. The optimizer's step counters (one 4-byte
+    scalar per parameter tensor, not sharded) are all the two differ by."""
+    out, _, _ = fsdp_run
+    result = summary(out)
+    measured, plan = result["memory"], result["memory_plan"]
+    held = measured["per_device"]
+    for key in ("weight_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        ratio = held[key] / measured[key]
+        assert 0.5 <= ratio < 0.51, (key, ratio)
+    assert held["weight_bytes"] == plan["weight_bytes"] and held["gradient_bytes"] == plan["gradient_bytes"]
+    tensors = 2 + 2 * 12 + 2  # 2 embeddings; 2 blocks of 2 norms and 4 linear layers (weight, bias); the last norm
+    assert held["optimizer_state_bytes"] - plan["optimizer_state_bytes"] == 4 * tensors
+    assert plan["sharded"] == ["gradients", "optimizer_state", "weights"] and plan["shards"] == 2
+
+
+def test_model_is_the_full_model_in_safetensors_loadable_by_pipeline(fsdp_run):
+    from transformers import pipeline
+
+    out, _, _ = fsdp_run
+    w = weights(out)
+    vocab = json.loads((out / "model" / "config.json").read_text())["vocab_size"]
+    assert w["transformer.wte.weight"].shape == (vocab, 32)  # whole, not a shard
+    generate = pipeline("text-generation", model=str(out / "model"), device="cpu")
+    assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
+
+
+def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_process_count(
+        fsdp_run, hf_home, tmp_path, capsys):
+    out, args, _ = fsdp_run
+    step_8 = out / "checkpoints" / "step_8"
+    assert {p.name for p in step_8.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
+    assert {p.suffix for p in (step_8 / "pytorch_model_fsdp_0").iterdir()} == {".distcp", ""}  # shards, .metadata
+    resumed = tmp_path / "resumed"
+    resumed_args = into(args, resumed)
+    # Killed at micro-batch 10 of each process: after step 8's checkpoint, mid-epoch.
+    proc = crash_then_resume(hf_home, resumed_args, 10, launch="fsdp.yaml", launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    w, expected = weights(resumed), weights(out)
+    assert w.keys() == expected.keys()
+    for name in w:
+        if CUDA:
+            torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE)
+        else:
+            assert torch.equal(w[name], expected[name]), name
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(out)
+    assert summary(resumed)["train"]["resumed_from_step"] == 8
+
+    # One process cannot resume 2 processes' checkpoint (its data positions and effective batch): refused by name.
+    other = tmp_path / "one_process"
+    refused = run_captured(into(args, other) + [f"checkpoint.resume={step_8}"], hf_home)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"checkpoint.resume: {step_8} was trained on 2 device(s)" in refused.stderr
+
+
+# ---------------------------------------------------------------- make test-slow: variants of the run above
+
+
+def same_weights(a: Path, b: Path) -> None:
+    """Bitwise on the CPU (deterministic kernels, the same collectives); within the tolerance on GPUs."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if CUDA:
+            torch.testing.assert_close(wa[name], wb[name], **WEIGHT_TOLERANCE)
+        else:
+            assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_offload_and_plain_loading_train_what_the_default_does(fsdp_run, cli_module,
+                                                                                        tmp_path):
+    """Recomputing each block in backward, offloading the shards (CPUOffloadPolicy: the optimizer steps on the
+    host) and loading on every process instead of broadcasting from the first change where the numbers are, not
+    what they are."""
+    out, args, _ = fsdp_run
+    other = tmp_path / "options"
+    cli_module([*into(args, other),
+                "distributed.fsdp.activation_checkpointing=true", "distributed.fsdp.offload_params=true",
+                "distributed.fsdp.cpu_ram_efficient_loading=false"], launch="fsdp.yaml", launch_args=launch())
+    assert summary(other)["memory_plan"]["gradient_checkpointing"] is True
+    assert summary(other)["memory_plan"]["offloaded"] == ["gradients", "optimizer_state", "weights"]
+    same_weights(out, other)
+    assert losses_by_step(other) == losses_by_step(out) or CUDA
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_policy(fsdp_run, cli_module, tmp_path):
+    """precision bf16 under FSDP2: accelerate's MixedPrecisionPolicy computes in bf16 (all-gathers bf16 copies)
+    and keeps the fp32 shards the optimizer steps. bf16 keeps 8 bits of mantissa (relative rounding 2^-9): over 12
+    steps the losses stayed within 1e-3 of fp32's, the weights within 1.3e-2 (measured over 6 steps: 8e-4, 1.3e-2)."""
+    out, args, _ = fsdp_run
+    bf16 = tmp_path / "bf16"
+    proc = cli_module([*into(args, bf16), "precision=bf16"], launch="fsdp.yaml", launch_args=launch())
+    assert "precision: bf16" in proc.stdout and "strategy: fsdp (version 2)" in proc.stdout
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(bf16).values())),
+                               torch.tensor(list(losses_by_step(out).values())), rtol=0, atol=5e-3)
+    w, expected = weights(bf16), weights(out)
+    assert all(t.dtype == torch.float32 for t in w.values())  # the saved model is the fp32 shards, gathered
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], rtol=0, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_run, cli_module, hf_home,
+                                                                         corpus, word_tokenizer, tmp_path):
+    """distributed.fsdp.state_dict=full: the model and optimizer gathered into single files. With eval.metric
+    (here the highest loss: the first evaluation's, at step 4) model/ is the best model, saved from the shards
+    when it was evaluated: the weights of the sharded run's step_4 checkpoint, read with torch's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    full = [*COMMON, "distributed.fsdp.state_dict=full", "eval.every_steps=4", "eval.metric=loss",
+            "eval.greater_is_better=true"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cli_module(lm_args(word_tokenizer, corpus, whole, *full), launch="fsdp.yaml", launch_args=launch())
+    step_8 = whole / "checkpoints" / "step_8"
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= {p.name for p in step_8.iterdir()}
+    assert summary(whole)["best"]["step"] == 4
+    proc = crash_then_resume(hf_home, lm_args(word_tokenizer, corpus, resumed, *full), 10, launch="fsdp.yaml",
+                             launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    same_weights(whole, resumed)
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(whole) == losses_by_step(fsdp_run[0])
+
+    sharded_run = fsdp_run[0]
+    converted = tmp_path / "step_4.pt"
+    dcp_to_torch_save(sharded_run / "checkpoints" / "step_4" / "pytorch_model_fsdp_0", converted)
+    at_step_4 = torch.load(converted, weights_only=True)["model"]
+    best = weights(whole)
+    for name, tensor in best.items():
+        torch.testing.assert_close(tensor, at_step_4[name], rtol=0, atol=0 if not CUDA else 1e-5)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_and_resumes_exactly(
+        cli_module, hf_home, pretrained_lm, corpus, tmp_path):
+    """LoRA on the FSDP2-sharded base (frozen, sharded too): the adapter and the merged model equal DDP's (bitwise
+    on the CPU: only the adapters' small gradients are reduced, in the same order), pipeline() loads the merged
+    model, and a kill mid-epoch resumes to the same adapter."""
+    from transformers import pipeline
+
+    common = [BACKEND, "train.max_steps=12", "checkpoint.every_steps=4", "train.log_every=1", "peft.merge=true",
+              "train.cpu_threads=1"]
+    fsdp, ddp, resumed = tmp_path / "fsdp", tmp_path / "ddp", tmp_path / "resumed"
+    proc = cli_module(lora_lm_args(pretrained_lm, corpus, fsdp, *common, "distributed.strategy=fsdp"),
+                      launch="fsdp.yaml", launch_args=launch())
+    assert "strategy: fsdp (version 2)" in proc.stdout
+    cli_module(lora_lm_args(pretrained_lm, corpus, ddp, *common), launch="cpu_ddp.yaml", launch_args=launch())
+    adapter = load_file(fsdp / "model" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_A" in k for k in adapter)
+    expected = load_file(ddp / "model" / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == expected.keys()
+    for name in adapter:
+        torch.testing.assert_close(adapter[name], expected[name], rtol=0 if not CUDA else 1e-4,
+                                   atol=0 if not CUDA else 1e-5)
+    merged, merged_ddp = weights(fsdp), weights(ddp)
+    assert merged.keys() == merged_ddp.keys() and not any("lora" in k for k in merged)
+    for name in merged:
+        torch.testing.assert_close(merged[name], merged_ddp[name], rtol=0 if not CUDA else 1e-4,
+                                   atol=0 if not CUDA else 1e-5)
+    text = pipeline("text-generation", model=str(fsdp / "model"), device="cpu")("the king", max_new_tokens=4,
+                                                                                 do_sample=False)[0]["generated_text"]
+    assert text.startswith("the king")
+
+    proc = crash_then_resume(hf_home, lora_lm_args(pretrained_lm, corpus, resumed, *common,
+                                                   "distributed.strategy=fsdp"), 10, launch="fsdp.yaml",
+                             launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    again = load_file(resumed / "model" / "adapter" / "adapter_model.safetensors")
+    for name in adapter:
+        assert torch.equal(adapter[name], again[name]) or CUDA, name
+    if not CUDA:
+        assert losses_by_step(resumed) == losses_by_step(fsdp)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="two machines on one host: gloo")
+def test_two_machines_of_one_process_train_what_one_machine_of_two_does(fsdp_run, hf_home, tmp_path):
+    """accelerate_configs/multi_node.yaml, machine ranks 0 and 1 on this host, one process each, strategy fsdp."""
+    out, args, _ = fsdp_run
+    two = tmp_path / "two_machines"
+    main, _ = run_ok(machines([*into(args, two), "distributed.strategy=fsdp"], 2, hf_home, free_port()))
+    assert "num_processes: 2" in main and "strategy: fsdp (version 2)" in main
+    same_weights(out, two)
+    assert losses_by_step(two) == losses_by_step(out)
+
+
+@pytest.mark.slow
+def test_streaming_under_fsdp2_trains_what_ddp_does(cli_module, corpus, word_tokenizer, tmp_path):
+    """data.streaming: each process reads its own share of the stream; the token-normalised loss over both."""
+    stream = [*COMMON, "data.streaming=true", "data.shuffle_buffer=16", "eval.batches=2"]
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    cli_module(lm_args(word_tokenizer, corpus, fsdp, *stream), launch="fsdp.yaml", launch_args=launch())
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch())
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
+                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
+    w, expected = weights(fsdp), weights(ddp)
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA and torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(cli_module, corpus, word_tokenizer, tmp_path):
+    """distributed.fsdp.replicas=2 on 4 processes: 2 replicas, each sharded over 2 processes (accelerate's
+    ParallelismConfig dp_replicate_size=2 x dp_shard_size=2); each process holds half of the states."""
+    common = [*COMMON, "train.max_steps=8"]
+    hsdp, ddp = tmp_path / "hsdp", tmp_path / "ddp"
+    proc = cli_module(lm_args(word_tokenizer, corpus, hsdp, *common, "distributed.fsdp.replicas=2"),
+                      launch="fsdp.yaml", launch_args=launch(4))
+    assert "strategy: fsdp (version 2, HSDP: 2 replicas x 2 shards)" in proc.stdout
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch(4))
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(hsdp).values())),
+                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
+    w, expected = weights(hsdp), weights(ddp)
+    assert w.keys() == expected.keys()
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    result = summary(hsdp)
+    held, plan = result["memory"]["per_device"], result["memory_plan"]
+    assert plan["shards"] == 2 and held["weight_bytes"] == plan["weight_bytes"]
+    assert 0.5 <= held["weight_bytes"] / result["memory"]["weight_bytes"] < 0.51
