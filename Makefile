@@ -1,4 +1,4 @@
-# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench   (each installs what it needs)
+# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz   (each installs what it needs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
-.PHONY: install run test test-slow test-cpu test-gpu install-xla test-xla bench
+.PHONY: install run test test-slow test-cpu test-gpu install-xla test-xla bench fuzz
 
 install: $(VENV)/.installed assets/.ready
 
@@ -48,6 +48,13 @@ test-slow: install install-xla
 ifeq ($(XLA_PLATFORM),yes)
 	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests
 endif
+
+# The bad-input fuzzing harness (tests/test_fuzz_inputs.py) with a larger budget than make test's: FUZZ_EXAMPLES
+# random cases per test (make test runs a fixed, derandomized few hundred). About 0.1 s a recipe case, 0.5 s a
+# data-file case here.
+FUZZ_EXAMPLES ?= 2000
+fuzz: install
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz_inputs.py
 
 # Benchmarks print ratios measured side by side in one run (CPU here; pass --device gpu on a GPU machine).
 bench: install

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
@@ -32,7 +33,10 @@ RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpo
                profiling.FOLDER, TRACKER_PROJECT, "wandb", "mlflow")  # the trackers' logs: tensorboard's event files in
 # output_dir/<project>, wandb's and mlflow's runs in output_dir/wandb and output_dir/mlflow
 STATE_FILE = "trainer_state.json"
-LOADER_FILE = "stream_{}.pt"  # a streaming run's loader state, one per process
+# A streaming run's loader state, one pair per process: the position and generator states as JSON, the
+# shuffle buffer's arrays in safetensors. Nothing the framework writes needs pickle to read.
+LOADER_FILE = "stream_{}.json"
+LOADER_ARRAYS = "stream_{}.safetensors"
 
 
 def previous_outputs(output_dir: Path) -> list:
@@ -227,7 +231,7 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
     accelerator.wait_for_everyone()
     device.save_state(accelerator, str(tmp))
     if loader_state is not None:
-        torch.save(loader_state, tmp / LOADER_FILE.format(accelerator.process_index))
+        save_loader_state(loader_state, tmp, accelerator.process_index)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -260,8 +264,47 @@ def loader_state(accelerator: Accelerator, path: Path) -> Dict:
     file = path / LOADER_FILE.format(accelerator.process_index)
     if not file.is_file():
         raise UserError(f"checkpoint {path} has no stream position ({file.name}): it was not saved by a "
-                        "data.streaming run; resume it with its own recipe, or set checkpoint.resume=never")
-    return torch.load(file, weights_only=False)  # numpy arrays (the shuffle buffer) and the generator state
+                        "data.streaming run (or by an older version, whose stream_N.pt needed pickle); resume it "
+                        "with its own recipe, or set checkpoint.resume=never")
+    return load_loader_state(path, accelerator.process_index)
+
+
+def save_loader_state(state: Dict, folder: Path, index: int) -> None:
+    """``StreamLoader.state_dict()`` without pickle: the buffer's arrays (the examples' token ids) into
+    safetensors, everything else (counters, the stream's position, the generators' states: ints, bools,
+    strings) into JSON."""
+    from safetensors.numpy import save_file
+
+    arrays, buffer = {}, []
+    for i, example in enumerate(state["buffer"]):
+        entry = {"values": {}, "arrays": []}
+        for key, value in example.items():
+            if isinstance(value, np.ndarray):
+                arrays[f"buffer.{i}.{key}"] = np.ascontiguousarray(value)
+                entry["arrays"].append(key)
+            else:
+                entry["values"][key] = value
+        buffer.append(entry)
+    save_file(arrays, str(folder / LOADER_ARRAYS.format(index)))
+    (folder / LOADER_FILE.format(index)).write_text(json.dumps({**state, "buffer": buffer}, default=_plain))
+
+
+def load_loader_state(folder: Path, index: int) -> Dict:
+    """What ``save_loader_state`` wrote, with the buffer's arrays as they were (dtype and shape)."""
+    from safetensors.numpy import load_file
+
+    state = json.loads((folder / LOADER_FILE.format(index)).read_text())
+    arrays = load_file(str(folder / LOADER_ARRAYS.format(index)))
+    state["buffer"] = [{**entry["values"], **{key: arrays[f"buffer.{i}.{key}"] for key in entry["arrays"]}}
+                       for i, entry in enumerate(state["buffer"])]
+    return state
+
+
+def _plain(value):
+    """JSON for the numpy scalars a state may hold; anything else is refused (it would need pickle)."""
+    if isinstance(value, (np.integer, np.bool_, np.floating)):
+        return value.item()
+    raise TypeError(f"a stream's state holds a {type(value).__name__}, which JSON cannot store")
 
 
 # ---------------------------------------------------------------- preemption (signals: framework/signals.py)

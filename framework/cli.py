@@ -17,8 +17,14 @@ EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGINT with a checkpoint to resume from
 # the shell's convention; the same command starts over.
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints its usage and exits; the CLI says one line instead
+        raise UserError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
+
+
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    """Options may come anywhere among the KEY=VALUE overrides (``run.py seed=1 --dry-run``)."""
+    parser = _Parser(
         prog="run.py",
         description="Train from a YAML recipe. KEY=VALUE pairs override recipe keys, e.g. train.batch_size=16.",
     )
@@ -27,14 +33,18 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate, load data and model, print the plan, and exit without training")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None) -> int:
     """Run one training process; returns the exit status: 0 done, 2 user error, 3 stopped by SIGTERM/SIGINT
     with a checkpoint to resume from (the same command resumes), 128 + signal number when stopped before
     there was one."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     cfg = None
     # Installed before the heavy imports, so a signal at any moment ends with one line.
     with Signals() as signals:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Union
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -177,7 +179,7 @@ class TrainConfig:
     """[START, END]: record a profiler trace of optimizer steps START to END (counted from 1), one file per process
     in ``output_dir/profile/``: torch.profiler's Chrome trace JSON (open it in https://ui.perfetto.dev or
     chrome://tracing), on XLA torch_xla's profiler (TensorBoard's profile plugin reads it)."""
-    cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1)
+    cpu_threads: Union[Literal["auto"], int] = _bounded("auto", ge=1, le=65536)
     """Threads per process for CPU compute. auto: OMP_NUM_THREADS when it is set above 1 (a deliberate
     ``--num_cpu_threads_per_process``), else this machine's cores divided by its processes (plain
     ``accelerate launch`` sets OMP_NUM_THREADS=1, which would leave all but one core idle)."""
@@ -357,7 +359,7 @@ class DistributedConfig:
     local_sgd_steps: Optional[int] = _bounded(None, gt=0)
     """Local SGD: each process steps on its own gradients and parameters are averaged every this many
     optimizer steps (accelerate's LocalSGD), instead of all-reducing gradients every step."""
-    timeout_minutes: Optional[float] = _bounded(None, gt=0)
+    timeout_minutes: Optional[float] = _bounded(None, gt=0, le=10**9)
     """How long a process waits in a collective for the others before it fails (torch.distributed's timeout;
     default torch's: 30 minutes for gloo, 10 for NCCL). A process that died breaks its peers' connections at once;
     this bounds the wait for one that hangs (a frozen machine, a lost network link)."""
@@ -413,7 +415,7 @@ class DpoConfig:
 class RunConfig:
     task: str = "text_classification"
     """What is trained: text_classification, causal_lm, masked_lm, sft or dpo (``framework/tasks/``, one module each)."""
-    seed: int = 42
+    seed: int = _bounded(42, ge=0, lt=2**32)
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
     """Where the run writes config.yaml, metrics.jsonl, summary.json, model/ and checkpoints/."""
@@ -469,15 +471,18 @@ RESUME_FREE_PREFIXES = ("eval.harness",)
 def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
     """Load a recipe (with its ``extends`` chain), apply ``KEY=VALUE`` overrides, validate, and return it."""
     raw = _load_recipe(Path(path), ()) if path is not None else OmegaConf.create({})
-    raw = OmegaConf.merge(raw, _parse_overrides(overrides))
+    raw = _merge(raw, _parse_overrides(overrides), f"overrides {' '.join(overrides)}")
     try:
         data = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:
-        raise UserError(f"recipe: cannot resolve an interpolation: {e}") from None
+        key = getattr(e, "full_key", None)
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{key or 'recipe'}: cannot resolve its interpolation ({reason}); write ${{other.key}} or "
+                        "${oc.env:VARIABLE} with a key or variable that exists") from None
     data.pop("extends", None)
     cfg, problems = _build(RunConfig, data, "")
     cfg.env_templates = _env_templates(flatten(OmegaConf.to_container(raw, resolve=False)), flatten(data))
-    problems += _cross_checks(cfg)
+    problems += _cross_checks(cfg) + _unread_keys(cfg.task, data)
     if problems:
         where = f"recipe {path}" if path is not None else "recipe"
         raise UserError(f"{where} has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
@@ -554,23 +559,47 @@ def _load_recipe(path: Path, chain: tuple) -> Any:
     parents = conf.get("extends") or []
     if isinstance(parents, str):
         parents = [parents]
+    if not OmegaConf.is_list(parents) and not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise UserError(f"recipe {path}: extends must be a recipe path or a list of them, not {_show(parents)}")
     merged = OmegaConf.create({})
     for parent in parents:
         parent_path = path.parent / str(parent)
         if not parent_path.is_file():
             raise UserError(f"recipe {path}: extends '{parent}', but {parent_path} does not exist")
-        merged = OmegaConf.merge(merged, _load_recipe(parent_path, chain + (path.resolve(),)))
-    return OmegaConf.merge(merged, conf)
+        merged = _merge(merged, _load_recipe(parent_path, chain + (path.resolve(),)), f"recipe {path}")
+    return _merge(merged, conf, f"recipe {path}")
+
+
+def _merge(base: Any, over: Any, what: str) -> Any:
+    """``over`` merged onto ``base``; a key that is a section in one and a list in the other is refused."""
+    try:
+        return OmegaConf.merge(base, over)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{what}: cannot merge {'key ' + key if key else 'it'} onto the recipe ({reason}); a section "
+                        "(a mapping) can only be replaced by a mapping, a list by a list") from None
+
+
+_KEY_PATH = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 
 def _parse_overrides(overrides: List[str]) -> Any:
+    """``KEY=VALUE`` pairs, each value read as YAML, as one config; a malformed one is refused by name."""
+    merged = OmegaConf.create({})
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise UserError(f"override '{item}' must look like KEY=VALUE, for example train.batch_size=16")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
-        raise UserError(f"cannot parse overrides {overrides}: {e}") from None
+        key, sep, value = item.partition("=")
+        if not sep or not _KEY_PATH.fullmatch(key):
+            raise UserError(f"override '{item}' must look like KEY=VALUE with KEY a dotted key path, for example "
+                            "train.batch_size=16")
+        try:
+            parsed = OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UserError(f"override '{item}': the value of {key} is not valid YAML ({reason}); write a "
+                            f"complete value (a list as [1, 2]) or quote it as text ({key}='{value}')") from None
+        merged = _merge(merged, parsed, f"override '{item}'")
+    return merged
 
 
 # ---------------------------------------------------------------- validation
@@ -690,8 +719,14 @@ def _coerce(value: Any, kind: Any) -> tuple[bool, Any, str]:
 
 
 def _check_bounds(value: Any, bounds: Any) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not bounds:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return ""  # None, or the word of a word-or-number key (cpu_threads: auto)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a finite number"
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        return "a 64-bit integer"
+    if not bounds:
+        return ""
     rules = {"gt": (lambda v, b: v > b, "> {}"), "ge": (lambda v, b: v >= b, ">= {}"),
              "lt": (lambda v, b: v < b, "< {}"), "le": (lambda v, b: v <= b, "<= {}")}
     failed = any(not rules[k][0](value, b) for k, b in bounds.items())
@@ -739,6 +774,11 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     else:
         task = get_task(cfg.task)
         problems += task.check(cfg)
+        by_column: Dict[str, List[str]] = {}
+        for key, column in task.columns(cfg).items():
+            by_column.setdefault(column, []).append(key)
+        problems += [f"{' and '.join(keys)} name the same column {column!r}; each must name its own column"
+                     for column, keys in by_column.items() if len(keys) > 1]
         if cfg.eval.metric is not None and cfg.eval.metric not in task.metric_names():
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not a metric of {cfg.task}; use one of "
                             f"{', '.join(task.metric_names())}")
@@ -783,6 +823,26 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
                         "and optim.scheduler=constant")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         problems.append(f"optim.betas: {o.betas} must be two numbers in [0, 1)")
+    return problems
+
+
+def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:
+    """Task-specific keys (``Task.reads`` of any task) that the recipe sets, to something else than their
+    default, but its task does not read: a setting that would be silently ignored. (A key at its default is
+    let through: ``--print-config`` and config.yaml write every key, and must load again.)"""
+    from framework.tasks import TASKS, get_task, task_keys
+
+    if task_name not in TASKS:
+        return []
+    reads = get_task(task_name).reads
+    defaults = flatten(dataclasses.asdict(RunConfig()))
+    present = {key for key, value in flatten(data).items() if value is not None and value != defaults.get(key)}
+    problems = []
+    for key in task_keys():
+        if key in reads or not any(p == key or p.startswith(key + ".") for p in present):
+            continue
+        problems.append(f"{key}: {task_name} does not read it (it reads {', '.join(reads) or 'none of these keys'}); "
+                        "remove it")
     return problems
 
 

@@ -7,6 +7,7 @@ tokenizing again.
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import datasets
+import fsspec
 import torch
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
@@ -25,9 +27,12 @@ from framework.errors import UserError
 from framework.hub import require_hub
 
 # File suffix -> (datasets builder, extra builder arguments). Compression suffixes are stripped first.
+# Tables: only an empty field is a null (pandas would also read NA, null, None, nan, n/a, ... as one, dropping a
+# review whose text is "None" or turning a label "NA" into a missing one).
+_TABLE = {"keep_default_na": False, "na_values": ""}
 _FORMATS = {
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".csv": ("csv", _TABLE),
+    ".tsv": ("csv", {**_TABLE, "delimiter": "\t"}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
@@ -96,14 +101,91 @@ def _format(path: str, key: str) -> tuple:
 
 
 def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = False):
-    """Rows of local files: a Dataset, or an IterableDataset (one shard per file) when ``streaming``."""
+    """Rows of local files: a Dataset, or an IterableDataset (one shard per file) when ``streaming``. Tables
+    (csv, tsv) are checked first, whole (see ``check_table``)."""
     builder, kwargs = _format(paths[0], key)
     kwargs = {"sample_by": cfg.sample_by} if builder == "text" else dict(kwargs)
+    for path in paths:
+        if builder == "csv":
+            check_table(path, kwargs.get("delimiter", ","), key)
+        elif builder == "json":
+            check_json(path, key)
     try:
         return datasets.load_dataset(builder, data_files={"data": paths}, split="data", streaming=streaming, **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
         raise UserError(f"{key}: cannot read {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} as "
                         f"{builder}: {root_cause(e)}") from None
+
+
+def check_table(path: str, delimiter: str, key: str) -> None:
+    """Refuse a csv/tsv file that pandas (the reader ``datasets`` uses) would misread rather than reject: a row
+    with more or fewer fields than the header (pandas takes surplus leading fields as an index, or pads with
+    nulls, shifting or dropping values), a header naming a column twice (pandas renames the second), text that
+    is not UTF-8. Blank lines are skipped, as pandas does; quoted fields may hold delimiters and newlines."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # a field may be a whole document; the csv module's default stops at 128 KiB
+    try:
+        with fsspec.open(path, "rt", compression="infer", encoding="utf-8", newline="") as f:
+            reader = csv.reader(f, delimiter=delimiter)
+            header = next(reader, None)
+            if not header:
+                raise UserError(f"{key}: {path} has no header line (the first line names the columns)")
+            repeated = sorted({name for name in header if header.count(name) > 1})
+            if repeated:
+                raise UserError(f"{key}: {path}: its header names column {', '.join(map(repr, repeated))} more "
+                                "than once; give every column its own name")
+            for row in reader:
+                if row and len(row) != len(header):
+                    raise UserError(f"{key}: {path} line {reader.line_num} has {len(row)} fields, but its header has "
+                                    f"{len(header)} ({', '.join(header)}); quote fields that hold "
+                                    f"{'a tab' if delimiter == chr(9) else 'a comma'} (\"...\") and give every row "
+                                    "one value per column")
+    except UserError:
+        raise
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
+                        "as UTF-8") from None
+    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
+        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
+    finally:
+        csv.field_size_limit(limit)
+
+
+def check_json(path: str, key: str) -> None:
+    """A json/jsonl file must be one JSON document, or JSON lines each holding an object (blank lines aside):
+    checked here because pyarrow's reader, which ``datasets`` uses, crashes the process (a segmentation
+    fault, seen with pyarrow 23) on some malformed lines instead of raising."""
+    try:
+        with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):  # line by line: a stream's file may be large
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    if number == 1 and line.lstrip()[:1] in "[{" and _one_document(path):
+                        return  # one JSON document over several lines (an array of rows)
+                    raise UserError(f"{key}: {path} line {number} is not valid JSON ({e}); write one JSON object "
+                                    "per line") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{key}: {path} line {number} holds a {type(row).__name__}, not an object; "
+                                    'write one JSON object per line, e.g. {"text": "..."}')
+    except UserError:
+        raise
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
+                        "as UTF-8") from None
+    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
+        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
+
+
+def _one_document(path: str) -> bool:
+    with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
+        try:
+            json.load(f)
+            return True
+        except ValueError:
+            return False
 
 
 def root_cause(error: BaseException) -> str:
@@ -172,7 +254,7 @@ def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: O
     parts, held, weights = [], [], []
     for prefix, source in train_sources(cfg):
         rows, name = read_source(prefix, source, cfg)
-        rows = _clean(rows, columns, keep_row, name).select_columns(list(columns.values()))
+        rows = _clean(rows, columns, keep_row, name, cfg).select_columns(list(columns.values()))
         if evaluation is None:
             if len(rows) < 2:
                 raise UserError(f"{name} has {len(rows)} usable row(s); too few to hold out an eval set")
@@ -182,7 +264,7 @@ def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: O
         parts.append(rows)
         weights.append(source.weight)
     train = mix(parts, weights, seed)
-    evaluation = mix(held, weights, seed) if held else _clean(evaluation, columns, keep_row, eval_name)
+    evaluation = mix(held, weights, seed) if held else _clean(evaluation, columns, keep_row, eval_name, cfg)
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
     if cfg.max_eval_samples:
@@ -190,23 +272,69 @@ def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: O
     return Splits(train, evaluation)
 
 
-def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Callable], name: str) -> datasets.Dataset:
+def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Callable], name: str,
+           cfg: DataConfig) -> datasets.Dataset:
     """Check the columns, then drop the rows the task cannot use."""
-    check_columns(ds.column_names, columns, name)
+    check_columns(ds.column_names, columns, name, {c: _kind(ds.features[c]) for c in ds.column_names})
+    label = columns.get("data.label_column")
+    if cfg.labels and label is not None:
+        found = sorted({str(v) for v in ds[label] if v is not None})
+        if not set(cfg.labels) & set(found):
+            shown = ", ".join(found[:20]) + (f" ... ({len(found)} in all)" if len(found) > 20 else "")
+            raise UserError(f"data.labels: none of {cfg.labels} is a label of {name}, so every row is filtered out; "
+                            f"its column '{label}' holds {shown or 'no labels'}: list those you want, or remove "
+                            "data.labels")
     if keep_row is None:
         return ds
     before = len(ds)
     ds = ds.filter(keep_row, desc="Dropping unusable rows")
     if len(ds) == 0:
         raise UserError(f"{name} has no usable rows (it has {before}): every row has an empty "
-                        f"{' or '.join(columns.values())}, or is filtered out by the recipe")
+                        f"{' or '.join(columns.values())}")
     return ds
 
 
-def check_columns(present: List[str], columns: Dict[str, str], name: str) -> None:
+# The keys whose columns must hold text (strings; a null is a row dropped as empty), and those that hold one
+# value per row (strings or numbers: labels).
+TEXT_KEYS = ("data.text_column", "data.text_pair_column")
+SCALAR_KEYS = ("data.label_column",)
+NOT_SCALAR = ("lists", "mappings", "values of several JSON types")
+
+
+def check_columns(present: List[str], columns: Dict[str, str], name: str, kinds: Dict[str, str]) -> None:
+    """Every column the task needs is there, those of ``TEXT_KEYS`` hold text and those of ``SCALAR_KEYS``
+    single values. ``kinds``: column -> what it holds ("text", or e.g. "int64 values" or "lists"; None where
+    unknown)."""
     for key, column in columns.items():
         if column not in present:
             raise UserError(f"{key}: column '{column}' is not in {name}; its columns are {', '.join(present)}")
+        kind = kinds.get(column)
+        if key in TEXT_KEYS and kind not in ("text", None):
+            raise UserError(f"{key}: column '{column}' of {name} holds {kind}, not text; point {key} at a "
+                            f"column of strings (its columns are {', '.join(present)})")
+        if key in SCALAR_KEYS and kind in NOT_SCALAR:
+            raise UserError(f"{key}: column '{column}' of {name} holds {kind}; a label is one string or integer "
+                            f"per row: point {key} at such a column (its columns are {', '.join(present)})")
+
+
+def _kind(feature) -> str:
+    """What a datasets feature holds, in words."""
+    if isinstance(feature, datasets.Value):
+        return "text" if feature.dtype in ("string", "large_string") else f"{feature.dtype} values"
+    if isinstance(feature, (datasets.Sequence, datasets.List, list)) or type(feature).__name__ == "LargeList":
+        return "lists"
+    if isinstance(feature, dict):
+        return "mappings"
+    if isinstance(feature, datasets.Json):  # json rows whose values differ in type from row to row
+        return "values of several JSON types"
+    return type(feature).__name__
+
+
+def value_kind(value) -> Optional[str]:
+    """``_kind`` for one value of a stream's row (None: a null, which says nothing)."""
+    if value is None or isinstance(value, str):
+        return None if value is None else "text"
+    return {list: "lists", dict: "mappings"}.get(type(value), f"{type(value).__name__} values")
 
 
 def map_rows(ds, function: Callable, identity: tuple, desc: str, with_indices: bool = False):

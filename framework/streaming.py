@@ -61,7 +61,7 @@ def check_sources(cfg: RunConfig, columns: Dict[str, str]) -> None:
         first = next(iter(_read(rows.take(1), name)), None)
         if first is None:
             raise UserError(f"{name} is empty")
-        data.check_columns(list(first), columns, name)
+        data.check_columns(list(first), columns, name, {c: data.value_kind(v) for c, v in first.items()})
 
 
 def rows(cfg: RunConfig, columns: Dict[str, str], keep_row, epoch: int, evaluation: bool):

@@ -88,6 +88,13 @@ def test_choice_lists_allowed_values(base):
     ("train.batch_size=-4", "train.batch_size: -4 is out of range; it must be > 0"),
     ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps: 0 is out of range; it must be > 0"),
     ("data.eval_fraction=1.5", "data.eval_fraction: 1.5 is out of range; it must be > 0.0 and < 1.0"),
+    # found by the fuzzing harness: these failed deep inside (timedelta, numpy's seed, a C int)
+    ("distributed.timeout_minutes=1e30", "distributed.timeout_minutes: 1e+30 is out of range; it must be > 0 and <= "),
+    ("seed=-1", "seed: -1 is out of range; it must be >= 0 and < 4294967296"),
+    ("train.cpu_threads=1000000000000", "train.cpu_threads: 1000000000000 is out of range"),
+    ("train.max_steps=99999999999999999999999", "it must be a 64-bit integer"),
+    ("train.max_grad_norm=.inf", "train.max_grad_norm: Infinity is out of range; it must be a finite number"),
+    ("optim.lr=.nan", "optim.lr: NaN is out of range; it must be a finite number"),
 ])
 def test_out_of_range(base, override, expected):
     assert expected in problems(base, [override])
@@ -146,3 +153,75 @@ def test_section_must_be_mapping(base):
 ])
 def test_mesh_profile_and_report_keys(base, overrides, expected):
     assert expected in problems(base, overrides)
+
+
+# ---------------------------------------------------------------- malformed overrides and task keys (issue 22)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.batch_size=[1", "override 'train.batch_size=[1': the value of train.batch_size is not valid YAML"),
+    ("data.labels={a", "override 'data.labels={a': the value of data.labels is not valid YAML"),
+    ('seed="7', "override 'seed=\"7': the value of seed is not valid YAML"),
+    ("train..batch_size=4", "override 'train..batch_size=4' must look like KEY=VALUE with KEY a dotted key path"),
+    ("=4", "override '=4' must look like KEY=VALUE"),
+    ("seed=${nowhere}", "seed: cannot resolve its interpolation"),
+    ("seed=${oc.env:FRAMEWORK_FUZZ_UNSET_VARIABLE}", "seed: cannot resolve its interpolation"),
+    ("data=[]", "overrides data=[]: cannot merge it onto the recipe"),  # was a TypeError from OmegaConf.merge
+])
+def test_malformed_override_is_named(base, override, expected):
+    assert expected in problems(base, [override])
+
+
+def test_a_child_recipe_cannot_turn_a_section_into_a_list(tmp_path):
+    write(tmp_path / "parent.yaml", "data:\n  train_file: a.csv\n")
+    child = write(tmp_path / "child.yaml", "extends: parent.yaml\ndata: [1, 2]\n")
+    assert f"recipe {child}: cannot merge it onto the recipe" in problems(child)
+
+
+def test_extends_must_name_recipes(tmp_path):
+    for value in ("3", "{a: b}", "[1, 2]"):
+        recipe = write(tmp_path / "r.yaml", f"extends: {value}\n")
+        assert "extends must be a recipe path or a list of them" in problems(recipe)
+
+
+@pytest.mark.parametrize("task, override", [
+    ("causal_lm", "data.max_length=4096"),
+    ("causal_lm", "data.labels=[a,b]"),
+    ("causal_lm", "data.mlm_probability=0.3"),
+    ("masked_lm", "data.packing=true"),
+    ("masked_lm", "eval.prompt=hello"),
+    ("text_classification", "data.block_size=64"),
+    ("text_classification", "data.packing=false"),
+    ("text_classification", "eval.max_new_tokens=8"),
+])
+def test_a_key_the_task_does_not_read_is_refused(tmp_path, task, override):
+    """A task-specific key set for a task that does not read it would be silently ignored."""
+    recipe = write(tmp_path / "r.yaml", f"task: {task}\nmodel:\n  config: {{model_type: gpt2}}\n  tokenizer: t\n"
+                                        "data:\n  train_file: a.csv\n" if task != "text_classification" else
+                   "model:\n  name_or_path: m\ndata:\n  train_file: a.csv\n")
+    key = override.split("=")[0]
+    assert f"{key}: {task} does not read it" in problems(recipe, [override]) and "remove it" in problems(recipe, [override])
+
+
+def test_a_task_key_from_extends_is_refused_too(tmp_path):
+    write(tmp_path / "parent.yaml", "model:\n  name_or_path: m\ndata:\n  train_file: a.csv\n  max_length: 64\n")
+    child = write(tmp_path / "child.yaml", "extends: parent.yaml\ntask: causal_lm\n")
+    assert "data.max_length: causal_lm does not read it" in problems(child)
+
+
+def test_a_printed_recipe_of_every_task_loads_again(tmp_path):
+    """--print-config writes every key, task-specific ones at their defaults: that is not setting them."""
+    from framework.tasks import TASKS
+
+    for task in TASKS:
+        model = "model:\n  name_or_path: m\n" if task == "text_classification" else \
+            "model:\n  config: {model_type: gpt2}\n  tokenizer: t\n"
+        printed = write(tmp_path / f"{task}.yaml", to_yaml(load_config(write(
+            tmp_path / "r.yaml", f"task: {task}\n{model}data:\n  train_file: a.csv\n"), [])))
+        assert load_config(printed, []).task == task
+
+
+def test_two_keys_naming_one_column_are_refused(base):
+    """Found by the fuzzing harness: a pair column that is the label column failed inside pyarrow."""
+    assert "data.label_column and data.text_pair_column name the same column 'label'" in problems(
+        base, ["data.text_pair_column=label"])

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 
 from conftest import ROOT, documents, read_metrics
@@ -58,7 +59,8 @@ def test_two_processes_read_their_own_shares_and_resume_bitwise(cli, hf_home, wo
     cli(stream_args(word_tokenizer, shards, whole, "train.max_steps=24"), launch="cpu_ddp.yaml")
     assert json.loads((whole / "summary.json").read_text())["num_processes"] == 2
     crash_then_resume(hf_home, stream_args(word_tokenizer, shards, resumed, "train.max_steps=24"), 11, "cpu_ddp.yaml")
-    assert (resumed / "checkpoints" / "step_24" / "stream_1.pt").is_file()  # each process's own position
+    assert (resumed / "checkpoints" / "step_24" / "stream_1.json").is_file()  # each process's own position
+    assert (resumed / "checkpoints" / "step_24" / "stream_1.safetensors").is_file()
     assert_bitwise_equal_models(whole, resumed)
     assert losses_by_step(resumed) == losses_by_step(whole)
 
@@ -82,7 +84,16 @@ def test_eval_is_a_fixed_held_out_set(hf_home, word_tokenizer, shards, tmp_path,
     assert 0.2 < len(held) / len(everything) < 0.4  # data.eval_fraction 0.3
 
 
-def test_the_loader_covers_every_example_once_per_epoch_and_restores_exactly():
+def saved_and_loaded(state: dict, folder: Path) -> dict:
+    """A loader state written as a checkpoint holds it (JSON and safetensors, no pickle) and read back."""
+    from framework import checkpoint
+
+    checkpoint.save_loader_state(state, folder, 0)
+    assert sorted(p.name for p in folder.iterdir()) == ["stream_0.json", "stream_0.safetensors"]
+    return checkpoint.load_loader_state(folder, 0)
+
+
+def test_the_loader_covers_every_example_once_per_epoch_and_restores_exactly(tmp_path):
     from framework.streaming import StreamLoader
 
     def make(epoch):  # 3 shards, reordered per epoch as the real streams are
@@ -103,7 +114,7 @@ def test_the_loader_covers_every_example_once_per_epoch_and_restores_exactly():
     it = iter(a)
     for _ in range(37):
         next(it)
-    state = a.state_dict()
+    state = saved_and_loaded(a.state_dict(), tmp_path)
     b = loader()
     b.load_state_dict(state)
     assert [next(iter_b) for iter_b in [iter(b)] for _ in range(43)] == reference[7:]
@@ -116,6 +127,26 @@ def test_the_loader_covers_every_example_once_per_epoch_and_restores_exactly():
     d = loader()
     d.load_state_dict(c.state_dict())
     assert [next(iter_d) for iter_d in [iter(d)] for _ in range(5)] == reference[:5]
+
+
+def test_a_saved_loader_state_keeps_its_arrays_exactly(tmp_path):
+    """The shuffle buffer's token arrays keep dtype, shape and values; scalars and generator states their values."""
+    rng = np.random.default_rng(3)
+    rng.integers(10)
+    state = {"epoch": 2, "stream": {"shard_idx": np.int64(1), "examples": [3, 4], "done": False},
+             "rng": rng.bit_generator.state,
+             "buffer": [{"input_ids": np.arange(5, dtype=np.int64), "attention_mask": np.ones(5, dtype=np.int8),
+                         "labels": 1}, {"input_ids": np.zeros(0, dtype=np.int64), "labels": 0}]}
+    loaded = saved_and_loaded(state, tmp_path)
+    assert loaded["epoch"] == 2 and loaded["stream"] == {"shard_idx": 1, "examples": [3, 4], "done": False}
+    assert loaded["rng"] == state["rng"]
+    for got, want in zip(loaded["buffer"], state["buffer"]):
+        assert got.keys() == want.keys()
+        for key in want:
+            if isinstance(want[key], np.ndarray):
+                assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key])
+            else:
+                assert got[key] == want[key]
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -3,7 +3,9 @@
 A task is a module of this package holding ``TASK``, an instance of a :class:`Task` subclass. The loop, the
 devices, checkpoints and reports know nothing else about it. A task owns:
 
-- its recipe keys: ``check(cfg)`` returns the problems of the keys it reads (or refuses), like the config core;
+- its recipe keys: ``reads``, the task-specific keys (dotted, or whole sections) it reads: a key that another
+  task reads and this one does not is refused when a recipe sets it, instead of being silently ignored;
+  ``check(cfg)`` returns the problems of the keys it reads (or refuses), like the config core;
 - model loading: ``load(cfg, raw)`` -> (model, tokenizer), pretrained (``model.name_or_path``) or from a
   config (``model.config``); ``pipeline``: what the saved ``model/`` loads as in ``transformers.pipeline``;
 - data preparation: ``columns(cfg)`` (the columns its rows need) and ``keep_row`` (which rows are usable),
@@ -31,8 +33,12 @@ from typing import Dict, List, Optional, Tuple
 import datasets
 import numpy as np
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 TASKS = ("text_classification", "causal_lm", "masked_lm", "sft", "dpo")
+# What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
+# size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
+MODEL_ERRORS = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
 class Task:
@@ -41,6 +47,7 @@ class Task:
     metric: str  # the headline metric, printed at the end
     lower_is_better = ("loss", "perplexity")
     token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+    reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
     harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
 
@@ -119,3 +126,8 @@ class Task:
 
 def get_task(name: str) -> Task:
     return importlib.import_module(f"framework.tasks.{name}").TASK
+
+
+def task_keys() -> Tuple[str, ...]:
+    """Every task-specific key: those some task reads (the others are shared by all tasks)."""
+    return tuple(dict.fromkeys(key for name in TASKS for key in get_task(name).reads))

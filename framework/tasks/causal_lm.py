@@ -28,6 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
+from framework.tasks import MODEL_ERRORS
 from framework.tasks.language import IGNORE, LanguageModel
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
@@ -38,6 +39,7 @@ class CausalLM(LanguageModel):
     pipeline = "text-generation"
     architectures = "gpt2, llama, ..."
     harness = True
+    reads = ("data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens", "eval.harness")
 
     def load(self, cfg, train, evaluation):
         m = cfg.model
@@ -63,10 +65,7 @@ class CausalLM(LanguageModel):
         if config.vocab_size < len(tokenizer):
             raise UserError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
                             f"{len(tokenizer)} tokens; remove it (it defaults to the tokenizer's) or raise it")
-        try:
-            return AutoModelForCausalLM.from_config(config)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
+        return self.from_config(AutoModelForCausalLM, config)
 
     def sequence_length(self, cfg, model) -> int:
         if cfg.data.block_size:
@@ -208,14 +207,14 @@ def _inputs_and_targets(model, batch):
 def _pretrained_config(name: str):
     try:
         return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:
+    except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{name}': {str(e).splitlines()[0]}") from None
 
 
 def _pretrained(name: str):
     try:
         return AutoModelForCausalLM.from_pretrained(name)
-    except (OSError, ValueError) as e:
+    except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{name}' as a causal language model: "
                         f"{str(e).splitlines()[0]}") from None
 

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from framework import device, losses
 from framework.errors import UserError
 from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
-from framework.tasks import Task
+from framework.tasks import MODEL_ERRORS, Task
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,8 +83,6 @@ class LanguageModel(Task):
                 problems.append("model.tokenizer is required with model.config: the tokenizer to train with")
             if not isinstance(m.config.get("model_type"), str):
                 problems.append(f"model.config.model_type is required ({self.architectures}): the architecture to build")
-        if cfg.data.text_pair_column:
-            problems.append(f"data.text_pair_column: {self.name} reads one text column; remove it")
         return problems
 
     def metric_names(self):
@@ -103,16 +101,24 @@ class LanguageModel(Task):
         key, name = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.name_or_path", m.name_or_path)
         try:
             return AutoTokenizer.from_pretrained(name), key
-        except (OSError, ValueError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"{key}: cannot load a tokenizer from '{name}': {str(e).splitlines()[0]}") from None
 
     def new_config(self, cfg, defaults: Dict):
         """The config of a model to train from scratch: ``model.config`` over ``defaults`` (from the tokenizer)."""
         try:
             return AutoConfig.for_model(**{**defaults, **cfg.model.config})
-        except (ValueError, TypeError, KeyError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"model.config: cannot build a model config from {cfg.model.config}: "
                             f"{str(e).splitlines()[0]}") from None
+
+    def from_config(self, auto, config):
+        """``auto.from_config(config)``: a new model; the config's own validation (sizes that do not divide) is
+        the user's to fix."""
+        try:
+            return auto.from_config(config)
+        except MODEL_ERRORS as e:
+            raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
 
     def inputs(self, model, batch) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         raise NotImplementedError

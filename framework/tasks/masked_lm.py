@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
+from framework.tasks import MODEL_ERRORS
 from framework.tasks.language import IGNORE, LanguageModel
 
 INDEX = "index"  # the example's row number, which seeds its masks
@@ -30,13 +31,7 @@ class MaskedLM(LanguageModel):
     name = "masked_lm"
     pipeline = "fill-mask"
     architectures = "bert, roberta, ..."
-
-    def check(self, cfg) -> List[str]:
-        problems = super().check(cfg)
-        if cfg.data.packing:
-            problems.append("data.packing: masked_lm trains one text per row (truncated to data.block_size); "
-                            "remove data.packing")
-        return problems
+    reads = ("data.block_size", "data.mlm_probability")  # one text per row, truncated to block_size: no packing
 
     def load(self, cfg, train, evaluation):
         m = cfg.model
@@ -46,12 +41,12 @@ class MaskedLM(LanguageModel):
         if m.config is not None:
             config = self.new_config(cfg, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id})
             _check_kind(config.model_type, f"model.config: model_type '{config.model_type}'")
-            model = AutoModelForMaskedLM.from_config(config)
+            model = self.from_config(AutoModelForMaskedLM, config)
         else:
             try:
                 _check_kind(AutoConfig.from_pretrained(m.name_or_path).model_type, f"model.name_or_path: '{m.name_or_path}'")
                 model = AutoModelForMaskedLM.from_pretrained(m.name_or_path)
-            except (OSError, ValueError) as e:
+            except MODEL_ERRORS as e:
                 raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a masked language model: "
                                 f"{str(e).splitlines()[0]}") from None
         data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)

@@ -43,7 +43,8 @@ class Sft(CausalLM):
     name = "sft"
     pipeline = "text-generation"
     reads = ("data.block_size", "data.packing", "data.messages_column", "data.prompt_column",
-             "data.completion_column", "data.chat_template", "eval.prompt", "eval.max_new_tokens", "sft")
+             "data.completion_column", "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness",
+             "sft")
 
     def check(self, cfg) -> List[str]:
         problems = super().check(cfg)

@@ -17,7 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import Task
+from framework.tasks import MODEL_ERRORS, Task
 
 LABELS = "labels"  # the column transformers models read the targets from
 
@@ -26,6 +26,7 @@ class TextClassification(Task):
     name = "text_classification"
     pipeline = "text-classification"
     metric = "accuracy"
+    reads = ("data.text_pair_column", "data.label_column", "data.labels", "data.max_length")
 
     def check(self, cfg) -> List[str]:
         problems = []
@@ -33,8 +34,6 @@ class TextClassification(Task):
             problems.append("model.name_or_path is required: text_classification fine-tunes a pretrained model")
         if cfg.model.config is not None:
             problems.append("model.config: text_classification fine-tunes a pretrained model; use model.name_or_path")
-        if cfg.data.packing:
-            problems.append("data.packing: only language models pack documents; remove it for text_classification")
         if cfg.data.streaming and not cfg.data.labels:
             problems.append("data.labels is required with data.streaming: the label set (and the model's head) "
                             "must be known before the stream is read, e.g. data.labels=[negative,positive]")
@@ -80,7 +79,7 @@ class TextClassification(Task):
                 # A checkpoint fine-tuned on other labels gets a fresh head of the right size.
                 ignore_mismatched_sizes=True,
             )
-        except (OSError, ValueError) as e:
+        except MODEL_ERRORS as e:
             raise UserError(f"model.name_or_path: cannot load '{name}' for text_classification: "
                             f"{str(e).splitlines()[0]}") from None
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
