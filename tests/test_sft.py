@@ -166,7 +166,7 @@ def test_answer_accuracy_counts_answers_reproduced_exactly():
     logits = torch.zeros(1, 9, 10)
     for position, token in enumerate([0, 5, 6, 0, 1, 0, 8, 9, 0]):  # the second answer (7) is predicted wrong
         logits[0, position, token] = 1.0
-    out = answer_outputs(logits, targets)
+    out = answer_outputs((logits.argmax(dim=-1) == targets) & (targets != -100), targets)
     assert out["answers"].tolist() == [3] and out["answers_correct"].tolist() == [2]
 
 

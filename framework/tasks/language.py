@@ -143,11 +143,15 @@ class LanguageModel(Task):
             return loss_sum(out, targets)
         return losses.linear_cross_entropy(out, head, targets, self.loss_chunk, self.select_targets)
 
-    def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
+    def token_results(self, model, batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token: (loss, whether the argmax is the target, the target), chunk by chunk with a chunked loss."""
         out, head, targets = self._outputs(model, batch)
         if head is None:
-            return row_outputs(*token_outputs(out, targets), targets)
-        return row_outputs(*losses.token_outputs(out, head, targets, self.loss_chunk, self.select_targets), targets)
+            return (*token_outputs(out, targets), targets)
+        return (*losses.token_outputs(out, head, targets, self.loss_chunk, self.select_targets), targets)
+
+    def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
+        return row_outputs(*self.token_results(model, batch))
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         return metrics(gathered)

@@ -137,8 +137,8 @@ class Sft(CausalLM):
         return SftCollator(tokenizer.pad_token_id, buckets, rows)
 
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
-        logits, targets = self.forward(model, batch)
-        return {**language.row_outputs(logits, targets), **answer_outputs(logits, targets)}
+        token_losses, correct, targets = self.token_results(model, batch)
+        return {**language.row_outputs(token_losses, correct, targets), **answer_outputs(correct, targets)}
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         answers = int(gathered["answers"].sum())
@@ -278,11 +278,12 @@ class SftCollator:
         return batch
 
 
-def answer_outputs(logits: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+def answer_outputs(correct: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Per row: the answers (runs of consecutive targets: an assistant turn or a completion) and those whose every
-    token is the greedy choice. Static shapes (cumulative sums, no data-dependent indexing) for XLA."""
+    token is the greedy choice (``correct``: per token, the argmax is the target). Static shapes (cumulative sums,
+    no data-dependent indexing) for XLA."""
     counted = targets != IGNORE
-    wrong = (counted & (logits.argmax(dim=-1) != targets)).long()
+    wrong = (counted & ~correct).long()
     before = torch.nn.functional.pad(counted[:, :-1], (1, 0), value=False)
     after = torch.nn.functional.pad(counted[:, 1:], (0, 1), value=False)
     starts, ends = counted & ~before, counted & ~after
