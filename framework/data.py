@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -117,6 +118,22 @@ def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = Fa
                         f"{builder}: {root_cause(e)}") from None
 
 
+@contextmanager
+def _text_file(path: str, key: str, **options):
+    """A local data file opened as UTF-8 text (decompressed by its suffix); a file that is not UTF-8, or a damaged
+    or unreadable one, is refused naming ``key`` and the file, while it is read too."""
+    try:
+        with fsspec.open(path, "rt", compression="infer", encoding="utf-8", **options) as f:
+            yield f
+    except UserError:
+        raise
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
+                        "as UTF-8") from None
+    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
+        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
+
+
 def check_table(path: str, delimiter: str, key: str) -> None:
     """Refuse a csv/tsv file that pandas (the reader ``datasets`` uses) would misread rather than reject: a row
     with more or fewer fields than the header (pandas takes surplus leading fields as an index, or pads with
@@ -125,7 +142,7 @@ def check_table(path: str, delimiter: str, key: str) -> None:
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # a field may be a whole document; the csv module's default stops at 128 KiB
     try:
-        with fsspec.open(path, "rt", compression="infer", encoding="utf-8", newline="") as f:
+        with _text_file(path, key, newline="") as f:
             reader = csv.reader(f, delimiter=delimiter)
             header = next(reader, None)
             if not header:
@@ -140,13 +157,6 @@ def check_table(path: str, delimiter: str, key: str) -> None:
                                     f"{len(header)} ({', '.join(header)}); quote fields that hold "
                                     f"{'a tab' if delimiter == chr(9) else 'a comma'} (\"...\") and give every row "
                                     "one value per column")
-    except UserError:
-        raise
-    except UnicodeDecodeError as e:
-        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
-                        "as UTF-8") from None
-    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
-        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
     finally:
         csv.field_size_limit(limit)
 
@@ -155,28 +165,24 @@ def check_json(path: str, key: str) -> None:
     """A json/jsonl file must be one JSON document, or JSON lines each holding an object (blank lines aside):
     checked here because pyarrow's reader, which ``datasets`` uses, crashes the process (a segmentation
     fault, seen with pyarrow 23) on some malformed lines instead of raising."""
-    try:
-        with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):  # line by line: a stream's file may be large
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    if number == 1 and line.lstrip()[:1] in "[{" and _one_document(path):
-                        return  # one JSON document over several lines (an array of rows)
-                    raise UserError(f"{key}: {path} line {number} is not valid JSON ({e}); write one JSON object "
-                                    "per line") from None
-                if not isinstance(row, dict):
-                    raise UserError(f"{key}: {path} line {number} holds a {type(row).__name__}, not an object; "
-                                    'write one JSON object per line, e.g. {"text": "..."}')
-    except UserError:
-        raise
-    except UnicodeDecodeError as e:
-        raise UserError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start} of the text); save it "
-                        "as UTF-8") from None
-    except Exception as e:  # a damaged or truncated compressed file, an unreadable one
-        raise UserError(f"{key}: cannot read {path}: {root_cause(e)}") from None
+    with _text_file(path, key) as f:
+        rows = 0
+        for number, line in enumerate(f, 1):  # line by line: a stream's file may be large
+            if not line.strip():
+                continue
+            rows += 1
+            if rows == 1 and line.lstrip().startswith("["):  # the file is one JSON array of rows
+                return _check_array(path, key)
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                if rows == 1 and line.lstrip().startswith("{") and _one_document(path):
+                    return  # one JSON object over several lines (columns of values): datasets reads it
+                raise UserError(f"{key}: {path} line {number} is not valid JSON ({e}); write one JSON object "
+                                "per line, or one array of objects") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{key}: {path} line {number} holds a {type(row).__name__}, not an object; "
+                                'write one JSON object per line, e.g. {"text": "..."}')
 
 
 def _one_document(path: str) -> bool:
@@ -186,6 +192,22 @@ def _one_document(path: str) -> bool:
             return True
         except ValueError:
             return False
+
+
+def _check_array(path: str, key: str) -> None:
+    """A json file holding one array (on one line or several): each of its items must be an object (a row)."""
+    with _text_file(path, key) as f:
+        try:
+            rows = json.load(f)
+        except ValueError as e:
+            raise UserError(f"{key}: {path} is not valid JSON ({e}); write one array of objects, or one JSON "
+                            "object per line") from None
+    if not isinstance(rows, list):  # text after the array's end, or something else
+        raise UserError(f"{key}: {path} is not one JSON array of objects")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise UserError(f"{key}: {path}: item {i} of its array is a {type(row).__name__}, not an object; "
+                            'write the rows as objects, e.g. [{"text": "..."}]')
 
 
 def root_cause(error: BaseException) -> str:
@@ -382,6 +404,18 @@ def pad_lengths(cfg: DataConfig, static_shapes: bool, longest: int) -> Optional[
     return sorted(set(buckets) | {longest})
 
 
+def fill_rows(features: List[Dict], rows: Optional[int]) -> Tuple[List[Dict], int]:
+    """Evaluation on static shapes (``rows`` set): a short last batch filled up to ``rows`` with copies of its first
+    example. Returns the features and how many are real (the collator marks them in a ``valid`` column)."""
+    real = len(features)
+    return (features + [features[0]] * (rows - real) if rows is not None else features), real
+
+
+def padded_length(longest: int, buckets: Optional[List[int]]) -> int:
+    """The length a batch is padded to: its longest sequence, or the smallest bucket that holds it."""
+    return longest if buckets is None else next(b for b in buckets if b >= longest)
+
+
 class StaticCollator:
     """Pads each batch to the smallest bucket length that fits, so only a few shapes ever exist.
 
@@ -393,11 +427,8 @@ class StaticCollator:
         self.tokenizer, self.buckets, self.rows = tokenizer, buckets, rows
 
     def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
-        real = len(features)
-        if self.rows is not None:
-            features = features + [features[0]] * (self.rows - real)
-        longest = max(len(f["input_ids"]) for f in features)
-        length = next(b for b in self.buckets if b >= longest)
+        features, real = fill_rows(features, self.rows)
+        length = padded_length(max(len(f["input_ids"]) for f in features), self.buckets)
         batch = self.tokenizer.pad(features, padding="max_length", max_length=length, return_tensors="pt")
         if self.rows is not None:
             batch["valid"] = torch.arange(self.rows) < real

@@ -154,9 +154,7 @@ class PackedCollator:
         self.rows = rows
 
     def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
-        real = len(features)
-        if self.rows is not None:
-            features = features + [features[0]] * (self.rows - real)
+        features, real = data.fill_rows(features, self.rows)
         batch = {key: torch.tensor([f[key] for f in features]) for key in ("input_ids", "position_ids", "attention_mask")}
         batch["labels"] = batch["input_ids"].masked_fill(batch["position_ids"] == 0, IGNORE)
         if self.rows is not None:

@@ -279,13 +279,10 @@ class PairCollator:
         self.pad_id, self.buckets, self.rows = pad_id, buckets, rows
 
     def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
-        real = len(features)
-        if self.rows is not None:
-            features = features + [features[0]] * (self.rows - real)
+        features, real = data.fill_rows(features, self.rows)
         sequences = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
         starts = [f["prompt_length"] for f in features] * 2
-        longest = max(len(ids) for ids in sequences)
-        length = longest if self.buckets is None else next(b for b in self.buckets if b >= longest)
+        length = data.padded_length(max(len(ids) for ids in sequences), self.buckets)
         input_ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
         labels = torch.full((len(sequences), length), IGNORE, dtype=torch.long)

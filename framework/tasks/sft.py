@@ -259,11 +259,8 @@ class SftCollator:
         self.pad_id, self.buckets, self.rows = pad_id, buckets, rows
 
     def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
-        real = len(features)
-        if self.rows is not None:
-            features = features + [features[0]] * (self.rows - real)
-        longest = max(len(f["input_ids"]) for f in features)
-        length = longest if self.buckets is None else next(b for b in self.buckets if b >= longest)
+        features, real = data.fill_rows(features, self.rows)
+        length = data.padded_length(max(len(f["input_ids"]) for f in features), self.buckets)
 
         def padded(key: str, value: int) -> torch.Tensor:
             return torch.tensor([list(f[key]) + [value] * (length - len(f[key])) for f in features])
