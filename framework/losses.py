@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 
 IGNORE = -100  # the target value every loss skips
 
@@ -42,6 +41,10 @@ EXACT_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3", "gp
 def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The module that turns the last hidden states into logits (under DDP, FSDP, torch.compile or peft:
     the wrapped model's), or None where chunking it would not be exact."""
+    # Imported here: the recipe check imports every task, and accelerate must not be imported before
+    # device.select_backend has chosen the backend (with torch_xla installed it would always take XLA).
+    from accelerate.utils import extract_model_from_parallel
+
     inner = extract_model_from_parallel(model, keep_torch_compile=False)
     config = getattr(inner, "config", None)
     if getattr(config, "model_type", None) not in EXACT_MODEL_TYPES:
