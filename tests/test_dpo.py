@@ -13,7 +13,7 @@ import torch
 
 from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT, read_metrics
 from in_process import run_main
-from test_checkpoint import crash_then_resume, losses_by_step
+from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, losses_by_step
 
 TINY_DPO = Path(__file__).resolve().parent / "tiny_dpo.yaml"
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
@@ -277,10 +277,7 @@ def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tm
     assert run_main(dpo_args(pair_tokenizer, pair_data, whole, *common), hf_home) == 0
     proc = crash_then_resume(hf_home, dpo_args(pair_tokenizer, pair_data, resumed, *common), kill_at_micro=12)
     assert "resuming from" in proc.stdout and "step_10" in proc.stdout
-    from safetensors.torch import load_file
-
-    wa, wb = (load_file(out / "model" / "model.safetensors") for out in (whole, resumed))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_bitwise_equal_models(whole, resumed)
     assert losses_by_step(whole) == losses_by_step(resumed)
     assert summary(whole)["eval"] == summary(resumed)["eval"]
 
