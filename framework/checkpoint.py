@@ -343,7 +343,8 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: xla
         if adapters.is_adapted(unwrapped):
             adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
         else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict)
+            with device.saving_gathered(unwrapped):
+                unwrapped.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)

@@ -363,6 +363,11 @@ class DistributedConfig:
     """How long a process waits in a collective for the others before it fails (torch.distributed's timeout;
     default torch's: 30 minutes for gloo, 10 for NCCL). A process that died breaks its peers' connections at once;
     this bounds the wait for one that hangs (a frozen machine, a lost network link)."""
+    tensor_parallel: Optional[int] = _bounded(None, gt=1)
+    """Tensor parallelism over this many processes, every launched one (accelerate's ParallelismConfig tp_size, the
+    model sharded by transformers' tensor-parallel plan: Llama-style models, ``base_model_tp_plan``): each process
+    holds 1/N of each attention and MLP matrix and all see the same batches. Not combinable with FSDP, DeepSpeed,
+    adapters, local SGD, XLA or checkpoints (framework/device.py says why for each)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 

@@ -136,12 +136,38 @@ def check(cfg: RunConfig) -> None:
         where = "XLA" if xla else strategy_
         raise UserError(f"distributed.local_sgd_steps: accelerate's LocalSGD does not support {where} "
                         "(only plain data parallel on CPUs and GPUs); remove the key or use strategy=ddp")
+    tensor_parallel_problem = _tensor_parallel_problem(cfg, strategy_, xla)
+    if tensor_parallel_problem:
+        raise UserError(tensor_parallel_problem)
     if cfg.train.compile and xla:
         raise UserError("train.compile: XLA already compiles the model's graphs; remove train.compile on XLA")
     launched = _launched_strategy()
     if launched and strategy_ != launched:
         raise UserError(f"distributed.strategy: the recipe asks for {strategy_} but the launch config sets up "
                         f"{launched}; use a matching --config_file or set distributed.strategy={launched}")
+
+
+def _tensor_parallel_problem(cfg: RunConfig, strategy_: str, xla: bool) -> Optional[str]:
+    """What ``distributed.tensor_parallel`` cannot be combined with (accelerate 1.15, transformers 5.24)."""
+    if not cfg.distributed.tensor_parallel:
+        return None
+    key = "distributed.tensor_parallel"
+    if xla:
+        return f"{key}: tensor parallelism runs on CPU processes (gloo) and GPUs, not on XLA; remove the key"
+    if strategy_ not in ("auto", "ddp"):
+        return (f"{key}: tensor parallelism shards every process's model on its own mesh; with strategy "
+                f"{_strategy_key(cfg)} (2D TP x FSDP) it is not supported here; use distributed.strategy=auto")
+    if cfg.peft is not None:
+        return (f"{key}: peft's LoRA layers wrap the linear layers the tensor-parallel plan shards (their A and B "
+                "matrices would stay whole, outside the plan); remove the peft section or the key")
+    if cfg.distributed.local_sgd_steps:
+        return f"{key}: local SGD averages whole models over processes; remove distributed.local_sgd_steps"
+    c = cfg.checkpoint
+    if c.every_steps or c.every_epoch or c.every_minutes or c.resume not in ("auto", "never"):
+        return (f"{key}: accelerate's save_state cannot checkpoint a tensor-parallel model (safetensors fails on "
+                "its DTensor weights, and torch.save would write only the main process's shards); remove "
+                "checkpoint.every_steps, every_epoch, every_minutes and resume")
+    return None
 
 
 def model_checkpointing(cfg: RunConfig) -> bool:
@@ -233,6 +259,63 @@ def _hybrid_shard(accelerator: Accelerator, replicas: int) -> None:
     config._validate_accelerator(accelerator)
 
 
+def _tensor_parallel(accelerator: Accelerator, size: int) -> None:
+    """accelerate's ParallelismConfig(tp_size=size), set up after construction as ``_hybrid_shard`` does: given to
+    the Accelerator, its validation (``_validate_accelerator``) refuses CPU processes by their distributed type
+    (MULTI_CPU is not among its "multi device" kinds), although nothing of TP is device-bound: DTensor's
+    collectives run over gloo. With the mesh set, ``prepare`` takes accelerate's TP path (``_prepare_tp``; the
+    model is not wrapped in DDP) and its data loaders give every process of the tp dimension the same batches.
+    The model itself is sharded by ``tensor_parallel_model``."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    processes = accelerator.num_processes
+    if size != processes:
+        raise UserError(f"distributed.tensor_parallel: {size}, but the launch started {processes} process(es); tensor "
+                        f"parallelism spans every process here: launch {size} processes or set the key to "
+                        f"{processes}")
+    config = ParallelismConfig(tp_size=size)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+
+
+def tensor_parallel_size(accelerator: Accelerator) -> int:
+    """How many processes share each model by tensor parallelism (1 without it)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.tp_size if config is not None and config.tp_enabled else 1
+
+
+def data_parallel(accelerator: Accelerator) -> Tuple[int, int]:
+    """(this process's data-parallel rank, the number of data-parallel replicas): the processes of a tensor-
+    parallel group read the same data."""
+    tp = tensor_parallel_size(accelerator)
+    return accelerator.process_index // tp, accelerator.num_processes // tp
+
+
+def tensor_parallel_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model sharded by transformers' own tensor-parallel path: ``prepare_distribute_model`` (its device mesh
+    over the process group accelerate started) and ``maybe_distribute_model``, what ``from_pretrained(...,
+    tp_plan="auto")`` does after building the model; here after any loading, so a model built from a config
+    shards too. Each parameter is cut from the process's whole copy (``distribute_tensor(src_data_rank=None)``),
+    which is the same on every process (same seed, same checkpoint). Unchanged without tensor parallelism."""
+    size = tensor_parallel_size(accelerator)
+    if size == 1:
+        return model
+    from transformers.distributed import DistributedConfig
+
+    if not getattr(model, "tp_plan", None):
+        raise UserError(f"distributed.tensor_parallel: {type(model).__name__} has no tensor-parallel plan in "
+                        "transformers (Llama-style models have one: base_model_tp_plan); remove the key")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise UserError("distributed.tensor_parallel: the model ties its output layer to its embedding, which the "
+                        "plan shards as two parameters (the tie would break); set tie_word_embeddings: false in "
+                        "model.config, or remove the key")
+    try:
+        config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=size))
+        return type(model).maybe_distribute_model(model, config, mesh)
+    except ValueError as e:  # a size the plan cannot split (heads, key/value heads)
+        raise UserError(f"distributed.tensor_parallel: {str(e).splitlines()[0]}") from None
+
+
 def parameter_shards(accelerator: Accelerator) -> int:
     """Over how many processes the sharded states are split: all of them, or under HSDP a replica's."""
     config = getattr(accelerator, "parallelism_config", None)
@@ -282,6 +365,8 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
     fsdp2_on_cpu_processes(accelerator, plugins.get("fsdp_plugin"))
     if getattr(accelerator, "is_fsdp2", False) and cfg.distributed.fsdp.replicas > 1:
         _hybrid_shard(accelerator, cfg.distributed.fsdp.replicas)
+    if cfg.distributed.tensor_parallel:
+        _tensor_parallel(accelerator, cfg.distributed.tensor_parallel)
     _check_launch(cfg, accelerator)
     if _on_xla(accelerator):
         _masks_without_host_reads()
@@ -404,6 +489,8 @@ def strategy_name(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> str:
         return f"fsdp (version {accelerator.state.fsdp_plugin.fsdp_version})"
     if kind == "DEEPSPEED":
         return f"deepspeed (ZeRO stage {accelerator.state.deepspeed_plugin.zero_stage})"
+    if tensor_parallel_size(accelerator) > 1:
+        return f"tensor parallel ({tensor_parallel_size(accelerator)} processes)"
     if mesh.describe():
         return mesh.describe()
     if accelerator.num_processes > 1:
@@ -651,7 +738,40 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
     if getattr(accelerator, "is_fsdp2", False):
         state_dict = _without_tied_copies(accelerator.unwrap_model(model), state_dict)
+    if tensor_parallel_size(accelerator) > 1:  # DTensor shards, gathered whole on every process
+        state_dict = {name: tensor.full_tensor() if _is_dtensor(tensor) else tensor
+                      for name, tensor in state_dict.items()}
     return state_dict
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+@contextmanager
+def saving_gathered(model: torch.nn.Module):
+    """``save_pretrained`` of a tensor-parallel model on the main process alone, from its gathered state dict:
+    transformers ends such a save with a barrier of every process (``barrier_after_gathered_checkpoint_save``,
+    for saves that every process makes), which the other processes would never join. Its distributed config is
+    set aside while saving (config.json never holds it anyway)."""
+    config = model.config
+    distributed = getattr(config, "distributed_config", None)
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = distributed
+
+
+def gather_for_metrics(accelerator: Accelerator, outputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """accelerate's ``gather_for_metrics`` over the data-parallel processes; under tensor parallelism every
+    process evaluated the same batches, so its own outputs are already all of them (gathering would count each
+    example once per process)."""
+    if tensor_parallel_size(accelerator) > 1:
+        return outputs
+    return accelerator.gather_for_metrics(outputs)
 
 
 def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -669,17 +789,19 @@ def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Ten
 def held_bytes(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> Optional[Callable[[Iterable[torch.Tensor]], int]]:
     """Where the states are sharded, a function giving the bytes this process (the first device under xla_fsdp)
     holds of some tensors, read from their shards; None where every process holds them whole."""
-    if getattr(accelerator, "is_fsdp2", False):
+    if getattr(accelerator, "is_fsdp2", False) or tensor_parallel_size(accelerator) > 1:
         return _local_shard_bytes
     return mesh.held_bytes
 
 
-def _local_shard_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of this process's shards of these tensors (FSDP2's DTensors; any other tensor counts whole)."""
-    from torch.distributed.tensor import DTensor
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (FSDP2's, tensor parallelism's); any other tensor whole."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in local)
+
+def _local_shard_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this process's shards of these tensors."""
+    return sum(t.numel() * t.element_size() for t in map(local_shard, tensors))
 
 
 def _device_name(accelerator: Accelerator) -> str:

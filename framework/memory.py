@@ -114,7 +114,7 @@ def sharded_states(distributed: DistributedConfig) -> FrozenSet[str]:
         return ZERO_SHARDED[distributed.deepspeed.zero_stage]
     if distributed.strategy == "fsdp":
         return FSDP_SHARDED[distributed.fsdp.sharding_strategy]
-    if distributed.strategy == "xla_fsdp":
+    if distributed.strategy == "xla_fsdp" or distributed.tensor_parallel:
         return frozenset(STATES)
     return frozenset()
 
@@ -201,7 +201,12 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
     half_copies = distributed.strategy == "deepspeed" and cfg.precision in ("fp16", "bf16")
     full = _state_bytes_of(params, trainable, cfg, half_copies)
     sharded, offloaded = sharded_states(distributed), offloaded_states(distributed)
-    if distributed.strategy == "fsdp" and distributed.fsdp.version == 2 and shards > 1:
+    if distributed.tensor_parallel:
+        # The model is already sharded (device.tensor_parallel_model): this process's pieces, exactly; the norms
+        # and any layer outside the plan stay whole on every process.
+        local = [device.local_shard(p) for p in params]
+        per_device = _state_bytes_of(local, [t for t, p in zip(local, params) if p.requires_grad], cfg, half_copies)
+    elif distributed.strategy == "fsdp" and distributed.fsdp.version == 2 and shards > 1:
         # FSDP2 splits every parameter on its first dimension into torch.chunk's pieces, the first process's
         # the largest: that process's bytes, exactly (what summary.json's per_device reads from its shards).
         first = _state_bytes_of([_first_chunk(p, shards) for p in params],

@@ -120,14 +120,14 @@ def setup(cfg: RunConfig) -> Run:
     set_seed(cfg.seed)
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
-    replicas = accelerator.num_processes * mesh.devices
+    replicas = device.data_parallel(accelerator)[1] * mesh.devices
     loader_batch = t.batch_size * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task, mesh)
     eval_ds = data.longest_first(eval_ds)
-    model = adapters.apply(model, cfg, accelerator.device.type)
+    model = device.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.device.type))
     # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
     task = task.for_run(model, accelerator, cfg)
 
@@ -138,8 +138,7 @@ def setup(cfg: RunConfig) -> Run:
     buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
     train_collate = task.collator(tokenizer, cfg, buckets)
     if train_ds is None:  # a stream: each process reads its own share, and its loader keeps its exact position
-        stream = streaming.train_stream(cfg, task, tokenizer, model, accelerator.process_index,
-                                        accelerator.num_processes)
+        stream = streaming.train_stream(cfg, task, tokenizer, model, *device.data_parallel(accelerator))
         train_dl = streaming.StreamLoader(stream, train_collate, loader_batch, cfg.data.shuffle_buffer, cfg.seed,
                                           accelerator.device)
     else:
@@ -259,8 +258,10 @@ class LossWindow:
         return result
 
     def totals(self) -> tuple:
-        """Host sync: (tokens, token context) trained on by this process's run so far, all processes."""
-        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) for t in (self.tokens, self.token_context))
+        """Host sync: (tokens, token context) trained on by this process's run so far, all processes (the processes
+        of a tensor-parallel group train on the same tokens: counted once)."""
+        tp = device.tensor_parallel_size(self.accelerator)
+        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) // tp for t in (self.tokens, self.token_context))
 
     def snapshot(self) -> dict:
         """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
@@ -308,6 +309,11 @@ class Saves:
         several = self.run.accelerator.num_processes > 1
         with self.run.compile_watch.host_work() if several else nullcontext():
             stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
+        if device.tensor_parallel_size(self.run.accelerator) > 1:  # no checkpoints (device._tensor_parallel_problem)
+            if stop:
+                raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; a tensor-"
+                                           "parallel run saves no checkpoint: it starts over when run again")
+            return
         if (stop or due) and self.saved_step != state.step:  # not saved at this step by every_steps already
             self.save(state, window)
         if stop:
@@ -495,7 +501,7 @@ def evaluate(run: Run) -> Dict[str, float]:
             outputs = run.task.eval_outputs(model, batch)
             if valid is not None:
                 outputs["valid"] = valid
-            for key, value in acc.gather_for_metrics(outputs).items():
+            for key, value in device.gather_for_metrics(acc, outputs).items():
                 parts[key].append(value)
     model.train()
     # One sync and host transfers at the end, rather than one per batch.
