@@ -261,7 +261,8 @@ class LossWindow:
         """Host sync: (tokens, token context) trained on by this process's run so far, all processes (the processes
         of a tensor-parallel group train on the same tokens: counted once)."""
         tp = device.tensor_parallel_size(self.accelerator)
-        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) // tp for t in (self.tokens, self.token_context))
+        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) // tp
+                     for t in (self.tokens, self.token_context))
 
     def snapshot(self) -> dict:
         """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
