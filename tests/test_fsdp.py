@@ -2,7 +2,9 @@
 (device.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
 holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
 (torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
-pipeline(); a checkpoint refuses another process count by name.
+pipeline(); a checkpoint refuses another process count by name. Tensor parallelism (accelerate's ParallelismConfig
+tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama; so does QLoRA under FSDP2 what DDP
+does.
 
 The tiny GPT-2 of tests/tiny_lm.yaml: its blocks are what FSDP wraps (transformer_based_wrap), its embedding
 is tied to the output layer."""
