@@ -27,6 +27,8 @@ CUDA = torch.cuda.is_available()
 # The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
 # deterministic kernels: on the CPU they are; on a GPU the resume is compared within the tolerance below.
 BACKEND = "backend=gpu" if CUDA else "backend=cpu"
+# Plain data parallel (and tensor parallelism) over the same processes: cpu_ddp.yaml forces the CPU (use_cpu).
+DDP_LAUNCH = "multi_gpu.yaml" if CUDA else "cpu_ddp.yaml"
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 # 12 optimizer steps of 8 blocks (21 per epoch: the kill below is mid-epoch), a sharded checkpoint every 4.
@@ -87,7 +89,7 @@ def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_r
     out, _, proc = fsdp_run
     assert "strategy: fsdp (version 2)" in proc.stdout and "num_processes: 2" in proc.stdout
     ddp, one = tmp_path / "ddp", tmp_path / "one"
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch())
     train_ok(lm_args(word_tokenizer, corpus, one, *COMMON, "train.batch_size=8"), hf_home)
     fsdp_losses = torch.tensor(list(losses_by_step(out).values()))
@@ -248,7 +250,7 @@ def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_an
     proc = cli_module(lora_lm_args(pretrained_lm, corpus, fsdp, *common, "distributed.strategy=fsdp"),
                       launch="fsdp.yaml", launch_args=launch())
     assert "strategy: fsdp (version 2)" in proc.stdout
-    cli_module(lora_lm_args(pretrained_lm, corpus, ddp, *common), launch="cpu_ddp.yaml", launch_args=launch())
+    cli_module(lora_lm_args(pretrained_lm, corpus, ddp, *common), launch=DDP_LAUNCH, launch_args=launch())
     adapter = load_file(fsdp / "model" / "adapter" / "adapter_model.safetensors")
     assert any("lora_A" in k for k in adapter)
     expected = load_file(ddp / "model" / "adapter" / "adapter_model.safetensors")
@@ -315,7 +317,7 @@ def test_streaming_under_fsdp2_trains_what_ddp_does(cli_module, corpus, word_tok
     stream = [*COMMON, "data.streaming=true", "data.shuffle_buffer=16", "eval.batches=2"]
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     cli_module(lm_args(word_tokenizer, corpus, fsdp, *stream), launch="fsdp.yaml", launch_args=launch())
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch())
     torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
                                torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
@@ -334,7 +336,7 @@ def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(cli_module, corpus
     proc = cli_module(lm_args(word_tokenizer, corpus, hsdp, *common, "distributed.fsdp.replicas=2"),
                       launch="fsdp.yaml", launch_args=launch(4))
     assert "strategy: fsdp (version 2, HSDP: 2 replicas x 2 shards)" in proc.stdout
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+    cli_module(lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch(4))
     torch.testing.assert_close(torch.tensor(list(losses_by_step(hsdp).values())),
                                torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
@@ -378,7 +380,7 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     from transformers import pipeline
 
     tp, one = tmp_path / "tp", llama_one_process
-    proc = cli_module(llama_args(word_tokenizer, corpus, tp, "distributed.tensor_parallel=2"), launch="cpu_ddp.yaml",
+    proc = cli_module(llama_args(word_tokenizer, corpus, tp, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
                       launch_args=launch())
     assert "strategy: tensor parallel (2 processes)" in proc.stdout and "effective_batch: 4" in proc.stdout
     tp_losses = torch.tensor(list(losses_by_step(tp).values()))
@@ -419,7 +421,7 @@ def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_pr
     proc = cli_module([*common, f"output_dir={fsdp}", "distributed.strategy=fsdp"], launch="fsdp.yaml",
                       launch_args=launch())
     assert "strategy: fsdp (version 2)" in proc.stdout
-    cli_module([*common, f"output_dir={ddp}"], launch="cpu_ddp.yaml", launch_args=launch())
+    cli_module([*common, f"output_dir={ddp}"], launch=DDP_LAUNCH, launch_args=launch())
     torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
                                torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
     adapter = load_file(fsdp / "model" / "adapter_model.safetensors")
