@@ -50,12 +50,7 @@ def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     if getattr(config, "model_type", None) not in EXACT_MODEL_TYPES:
         return None
     head = inner.get_output_embeddings()
-    if not isinstance(head, torch.nn.Module):
-        return None
-    from torch.distributed.tensor import DTensor
-
-    # A head sharded by tensor parallelism gathers its logits in its own forward: its weight is not the whole matrix.
-    return None if isinstance(getattr(head, "weight", None), DTensor) else head
+    return head if isinstance(head, torch.nn.Module) else None
 
 
 def hidden_states(model: torch.nn.Module, head: torch.nn.Module, **inputs) -> Tuple[torch.Tensor, bool]:

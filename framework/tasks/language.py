@@ -61,7 +61,10 @@ class LanguageModel(Task):
     select_targets = False
 
     def for_run(self, model, accelerator, cfg) -> "LanguageModel":
-        return self.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
+        task = self.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
+        if device.tensor_parallel_size(accelerator) > 1:  # the head is sharded: its own forward gathers the logits
+            task.loss_chunk = None
+        return task
 
     def with_loss(self, cfg, static_shapes: bool) -> "LanguageModel":
         """A copy computing the loss as the recipe says (``static_shapes``: fixed shapes, XLA)."""
