@@ -412,7 +412,7 @@ def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_pr
     frozen uint8 Params4bit out of fully_shard (its DTensor conversion would drop their quant_state; with a float
     quant_storage bitsandbytes then failed "quant_state is required", measured), so each process holds the whole
     4-bit base and FSDP2 shards the rest (the adapters, the embedding, the norms, the full-precision head). The
-    adapters train what DDP's do: losses within 2.6e-7, adapter weights within 3e-6 (measured, 6 steps)."""
+    adapters train what DDP's do, bitwise on the CPU (as LoRA's: only the adapters' gradients are reduced)."""
     common = ["--config", str(ROOT / "tests" / "tiny_lm.yaml"), "model.config=null",
               f"model.name_or_path={llama_one_process / 'model'}", f"data.train_file={corpus}", BACKEND, "peft.r=4",
               "peft.alpha=8", "peft.target_modules=all-linear", "peft.quantize=4bit", "train.max_steps=6",
@@ -422,13 +422,14 @@ def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_pr
                       launch_args=launch())
     assert "strategy: fsdp (version 2)" in proc.stdout
     cli_module([*common, f"output_dir={ddp}"], launch=DDP_LAUNCH, launch_args=launch())
+    exact = dict(rtol=0, atol=0) if not CUDA else WEIGHT_TOLERANCE
     torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
-                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
+                               torch.tensor(list(losses_by_step(ddp).values())), **exact)
     adapter = load_file(fsdp / "model" / "adapter_model.safetensors")
     expected = load_file(ddp / "model" / "adapter_model.safetensors")
     assert adapter.keys() == expected.keys() and any("lora_A" in k for k in adapter)
     for name in adapter:
-        torch.testing.assert_close(adapter[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(adapter[name], expected[name], **exact, msg=lambda m: f"{name}: {m}")
     result = summary(fsdp)["memory"]
     # The 4-bit base is smaller than the fp32 layers it replaced, and held whole: more than half on each process.
     assert result["weight_bytes"] < summary(llama_one_process)["memory"]["weight_bytes"]
