@@ -174,13 +174,14 @@ def same_weights(a: Path, b: Path) -> None:
 @pytest.mark.slow
 def test_activation_checkpointing_offload_and_plain_loading_train_what_the_default_does(fsdp_run, cli_module,
                                                                                         tmp_path):
-    """Recomputing each block in backward, offloading the shards (CPUOffloadPolicy: the optimizer steps on the
+    """Recomputing each block in backward (asked as users ask it of any run, train.gradient_checkpointing: under
+    FSDP the plugin's activation checkpointing), offloading the shards (CPUOffloadPolicy: the optimizer steps on the
     host) and loading on every process instead of broadcasting from the first change where the numbers are, not
     what they are."""
     out, args, _ = fsdp_run
     other = tmp_path / "options"
     cli_module([*into(args, other),
-                "distributed.fsdp.activation_checkpointing=true", "distributed.fsdp.offload_params=true",
+                "train.gradient_checkpointing=true", "distributed.fsdp.offload_params=true",
                 "distributed.fsdp.cpu_ram_efficient_loading=false"], launch="fsdp.yaml", launch_args=launch())
     assert summary(other)["memory_plan"]["gradient_checkpointing"] is True
     assert summary(other)["memory_plan"]["offloaded"] == ["gradients", "optimizer_state", "weights"]
@@ -234,6 +235,10 @@ def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_r
     best = weights(whole)
     for name, tensor in best.items():
         torch.testing.assert_close(tensor, at_step_4[name], rtol=0, atol=0 if not CUDA else 1e-5)
+    from transformers import pipeline  # the best model, gathered from the shards, is a whole model users load
+
+    generate = pipeline("text-generation", model=str(whole / "model"), device="cpu")
+    assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
 
 
 @pytest.mark.slow
