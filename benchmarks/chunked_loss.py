@@ -204,7 +204,9 @@ def largest_batch(sides, cap: float, chunk: int) -> dict:
     for side in sides:
         def fits(batch):
             r = measure(side, 50257, batch, 128, 1, chunk, cap, warmup=1)
-            return "error" not in r and r["peak_bytes"] <= cap
+            ok = "error" not in r and r["peak_bytes"] <= cap
+            print(f"  {side} batch {batch}: " + (gib(r["peak_bytes"]) if "peak_bytes" in r else r["error"]), flush=True)
+            return ok
 
         best, over = 0, 8
         while over <= 4096 and fits(over):
