@@ -1,7 +1,8 @@
 """The Trainer as a user gets it: the other side of compare_loops.py's end-to-end case (``default_job``).
 
-Usage: ``python benchmarks/trainer_job.py [--config RECIPE] [KEY=VALUE ...]``, the arguments of
-``recipes/run.py`` (its default recipe without ``--config``). It is run the way Trainer scripts are run,
+Usage: ``python benchmarks/trainer_job.py [--no-checkpoints] [--config RECIPE] [KEY=VALUE ...]``, the arguments
+of ``recipes/run.py`` (its default recipe without ``--config``); ``--no-checkpoints``: no checkpoint saves
+(``save_strategy="no"``), the model is still saved at the end. It is run the way Trainer scripts are run,
 with plain ``python``: torch then uses every core, its own default.
 
 The job is the recipe's whole job, written as a user writes it with ``transformers.Trainer``: train for the
@@ -34,7 +35,13 @@ from transformers import Trainer, TrainingArguments
 from common import accuracy, load_data_and_model, read_recipe, recipe_training_args
 
 
+NO_CHECKPOINTS = "--no-checkpoints"
+
+
 def main() -> None:
+    saves = NO_CHECKPOINTS not in sys.argv
+    if not saves:  # the rest are recipes/run.py's arguments
+        sys.argv.remove(NO_CHECKPOINTS)
     cfg = read_recipe(loop_only=False)
     t, o = cfg.train, cfg.optim
     if cfg.precision != "no" or o.name != "adamw" or o.param_groups:
@@ -46,6 +53,7 @@ def main() -> None:
         num_train_epochs=t.epochs,
         per_device_eval_batch_size=t.eval_batch_size or 2 * t.batch_size,
         train_sampling_strategy="group_by_length" if cfg.data.group_by_length else "random",
+        **({} if saves else {"save_strategy": "no"}),
     )
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, compute_metrics=accuracy)
