@@ -58,6 +58,8 @@ fuzz: install
 
 # Benchmarks print ratios measured side by side in one run (CPU here; pass --device gpu on a GPU machine).
 bench: install
+	# Cut Cross-Entropy, the chunked loss's anchor: its torch_compile implementation alone (no Triton, so --no-deps).
+	$(BIN)/pip install -q --no-deps cut-cross-entropy==25.1.1
 	$(BIN)/python benchmarks/options.py
 	$(BIN)/python benchmarks/compare_loops.py
 	$(BIN)/python benchmarks/compare_lm.py --rounds 3
