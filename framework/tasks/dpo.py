@@ -80,7 +80,8 @@ class DPO(CausalLM):
     name = "dpo"
     metric = "reward_accuracy"
     sequences_per_example = 2
-    reads = ("data.max_length", *KEYS, "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness", "dpo")
+    reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt", "eval.max_new_tokens",
+             "eval.harness", "dpo")
 
     def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
         self.dpo = dpo  # the run's dpo section (for_run)
@@ -136,15 +137,16 @@ class DPO(CausalLM):
     def load(self, cfg, train, evaluation):
         m = cfg.model
         if m.config is None:  # the model's kind first: the most basic mistake
-            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
         tokenizer, key = self.tokenizer(cfg)
+        # Before a new model sizes its vocabulary; a built-in template gives an EOS-less tokenizer its end of turn.
+        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
         if tokenizer.eos_token_id is None:
             raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
-                            "use a tokenizer with one")
+                            "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
         if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)  # before a new model sizes its vocabulary
-        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m)
         chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
         return model, tokenizer
