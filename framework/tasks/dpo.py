@@ -91,8 +91,8 @@ class DPO(CausalLM):
     name = "dpo"
     metric = "reward_accuracy"
     sequences_per_example = 2
-    reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt", "eval.max_new_tokens",
-             "eval.harness", "dpo")
+    reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt",
+             "eval.max_new_tokens", "eval.harness", "dpo")
 
     def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
         self.dpo = dpo  # the run's dpo section (for_run)
