@@ -4,7 +4,8 @@ checked conversations, and their tokens with the mask of what is trained on.
 A conversation is a list of ``{role, content}`` messages (roles ``system``, ``user``, ``assistant``, ``tool``;
 extra keys such as ``tool_calls`` go to the template as they are). The template is the tokenizer's own, or
 ``data.chat_template``: a jinja file, or a built-in name (``chatml``), whose special tokens are added to the
-tokenizer (the model's embeddings then grow to match: ``resize_embeddings``).
+tokenizer (the model's embeddings then grow to match: ``resize_embeddings``); a tokenizer without an EOS token
+(an encoder's, such as BERT's WordPiece) takes the template's end of turn as its EOS.
 
 Assistant masks come from the rendered conversation itself, so a template needs no ``{% generation %}``
 markers: assistant message i is trained on from the end of the conversation before it rendered with the
@@ -69,6 +70,8 @@ def use_template(tokenizer, name: Optional[str], needed: bool = True) -> List[st
         added = [t for t in builtin.special_tokens if t not in vocab]
         if added:
             tokenizer.add_tokens(added, special_tokens=True)
+        if tokenizer.eos_token is None:  # an encoder's tokenizer (BERT's): a turn's end is where text ends
+            tokenizer.eos_token = builtin.end_of_turn
         tokenizer.chat_template = builtin.template
         return added
     path = Path(name)

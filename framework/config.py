@@ -37,6 +37,9 @@ class ModelConfig:
     """A model to train from scratch (language models): a transformers config as a mapping with its
     ``model_type`` (gpt2, llama, bert, ...) and sizes, e.g. {model_type: gpt2, n_layer: 4, n_embd: 256}.
     ``vocab_size`` and the special token ids default to the tokenizer's."""
+    config_overrides: Optional[Dict[str, Any]] = None
+    """Causal LMs (``causal_lm``, ``sft``, ``dpo``): attributes set on the pretrained model's config before its
+    weights load, e.g. {is_decoder: true} to load a BERT checkpoint as a causal decoder (BertLMHeadModel)."""
     tokenizer: Optional[str] = None
     """The tokenizer (a local folder or Hub id); default: the one in ``name_or_path``. Required with ``config``."""
     token: Optional[str] = None

@@ -162,7 +162,8 @@ def test_a_key_the_task_does_not_read_through_the_cli(capsys, word_tokenizer, co
     from test_language_models import lm_args
 
     err = fails(capsys, lm_args(word_tokenizer, corpus, tmp_path / "out", "data.max_length=4096"))
-    assert "data.max_length: causal_lm does not read it (it reads data.packing, data.block_size" in err
+    assert ("data.max_length: causal_lm does not read it (it reads model.config_overrides, data.packing, "
+            "data.block_size") in err
 
 
 @pytest.mark.parametrize("labels", ["data.labels=[pos,neg]", None])

@@ -193,6 +193,36 @@ def test_simpo_equals_trl_cpo_trainer(tmp_path):
     assert_metrics_equal_trl(mine, trl, float(trl_loss), logps=False)
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
+def test_chunked_log_probabilities_equal_full_logits(loss):
+    """The sequences' log-probabilities through framework/losses.py (the head 7 tokens at a time, the GPT-2 head
+    tied to the embeddings) give the full logits' loss and gradients within 1e-6 relative (fp32)."""
+    import datasets
+
+    from framework.config import DataConfig, DpoConfig, RunConfig
+    from framework import losses
+    from framework.tasks.dpo import DPO
+
+    tokenizer, policy, reference = gpt2_models()
+    assert losses.output_head(policy) is policy.lm_head  # the chunked path is taken
+    cfg = RunConfig(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(loss=loss, beta=0.3))
+    full = DPO(cfg.dpo, None if loss == "simpo" else reference)
+    features = full.prepare(datasets.Dataset.from_list(ROWS), tokenizer, policy, cfg)
+    batch = full.collator(tokenizer, cfg, None)(list(features))
+    results = []
+    for chunk in (None, 7):
+        task = copy.copy(full)
+        task.loss_chunk = chunk
+        policy.zero_grad()
+        value = task.loss_sum(policy, batch)
+        value.backward()
+        results.append((value.detach(), [p.grad.clone() for p in policy.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * float(w.abs().max()))
+
+
 # ---------------------------------------------------------------- runs
 
 

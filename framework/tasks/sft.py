@@ -42,7 +42,7 @@ COUNTS = "sft_counts"
 class Sft(CausalLM):
     name = "sft"
     pipeline = "text-generation"
-    reads = ("data.block_size", "data.packing", "data.messages_column", "data.prompt_column",
+    reads = ("model.config_overrides", "data.block_size", "data.packing", "data.messages_column", "data.prompt_column",
              "data.completion_column", "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness",
              "sft")
 
@@ -69,7 +69,7 @@ class Sft(CausalLM):
     def load(self, cfg, train, evaluation):
         m = cfg.model
         if m.config is None:
-            _check_kind(_pretrained_config(m.name_or_path), f"model.name_or_path: '{m.name_or_path}'")
+            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
         tokenizer, _ = self.tokenizer(cfg)
         chat.use_template(tokenizer, cfg.data.chat_template, needed=cfg.sft.train_on != "completion")
         if tokenizer.pad_token is None:  # padding is never a target
@@ -77,7 +77,7 @@ class Sft(CausalLM):
         if m.config is not None:
             model = self._from_config(cfg, tokenizer)
         else:
-            model = _pretrained(m.name_or_path)
+            model = _pretrained(m)
             chat.resize_embeddings(model, tokenizer)  # the template's new special tokens
         stop = chat.end_of_turn_ids(tokenizer, cfg.data.chat_template)
         if stop:  # model/ then answers a pipeline("text-generation") conversation up to the end of its turn
