@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import adapters, chat, data, device, losses
+from framework import adapters, chat, data, losses
 from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
@@ -179,8 +179,10 @@ class DPO(CausalLM):
             reference = ADAPTER_OFF
         else:
             reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
-        task = DPO(cfg.dpo, reference, accelerator.autocast, accelerator.unwrap_model)
-        return task.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
+        task = super().for_run(model, accelerator, cfg)  # the run's loss settings, decided where every LM's are
+        task.dpo, task.reference = cfg.dpo, reference
+        task.autocast, task.unwrap = accelerator.autocast, accelerator.unwrap_model
+        return task
 
     def frozen_models(self) -> List[torch.nn.Module]:
         return [self.reference] if isinstance(self.reference, torch.nn.Module) else []
