@@ -43,16 +43,14 @@ class CausalLM(LanguageModel):
              "eval.harness")
 
     def load(self, cfg, train, evaluation):
-        m = cfg.model
-        if m.config is None:  # the model's kind first: the most basic mistake
-            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
+        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, key = self.tokenizer(cfg)
         if packing(cfg) and tokenizer.eos_token_id is None:
             raise UserError(f"{key}: the tokenizer has no EOS token, which packing puts between documents; use a "
                             "tokenizer with one, or data.packing=false")
         if tokenizer.pad_token is None:  # padding (unpacked rows, generation) reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m)
+        model = self._from_config(cfg, tokenizer) if config is None else _pretrained(cfg.model, config)
         data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)
         return model, tokenizer
 
@@ -205,7 +203,9 @@ def _inputs_and_targets(model, batch):
 
 def _pretrained_config(m):
     """The config of the pretrained model ``m.name_or_path`` (the recipe's ``model`` section), with
-    ``m.config_overrides`` set on it."""
+    ``m.config_overrides`` set on it, checked to be a causal LM's; None for a model trained from ``m.config``."""
+    if m.config is not None:
+        return None
     try:
         config = AutoConfig.from_pretrained(m.name_or_path)
     except MODEL_ERRORS as e:
@@ -217,13 +217,14 @@ def _pretrained_config(m):
                         f"config of '{m.name_or_path}'; remove it or correct its name")
     for key, value in overrides.items():
         setattr(config, key, value)
+    _check_kind(config, f"model.name_or_path: '{m.name_or_path}'")
     return config
 
 
-def _pretrained(m):
-    """The pretrained causal LM of the recipe's ``model`` section (its ``config_overrides`` applied)."""
+def _pretrained(m, config):
+    """The pretrained causal LM of the recipe's ``model`` section, with its config (``_pretrained_config``)."""
     try:
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=_pretrained_config(m))
+        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config)
     except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a causal language model: "
                         f"{str(e).splitlines()[0]}") from None

@@ -34,7 +34,7 @@ from datasets.fingerprint import Hasher
 
 from framework import adapters, chat, data, losses
 from framework.errors import UserError
-from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config
+from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
 
 ADAPTER_OFF = "adapter off"  # the reference under peft: the trained model with its adapter disabled
@@ -146,9 +146,7 @@ class DPO(CausalLM):
         return check
 
     def load(self, cfg, train, evaluation):
-        m = cfg.model
-        if m.config is None:  # the model's kind first: the most basic mistake
-            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
+        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, key = self.tokenizer(cfg)
         # Before a new model sizes its vocabulary; a built-in template gives an EOS-less tokenizer its end of turn.
         chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
@@ -157,7 +155,7 @@ class DPO(CausalLM):
                             "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
         if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if m.config is not None else _pretrained(m)
+        model = self._from_config(cfg, tokenizer) if config is None else _pretrained(cfg.model, config)
         chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
         return model, tokenizer

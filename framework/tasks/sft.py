@@ -31,7 +31,7 @@ import torch
 from framework import chat, data
 from framework.errors import UserError
 from framework.tasks import language
-from framework.tasks.causal_lm import CausalLM, _check_kind, _pretrained, _pretrained_config, packing
+from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config, packing
 from framework.tasks.language import IGNORE
 
 # A row's fate in preparation, counted for the plan ("counts" of every feature row: see ``prepare``).
@@ -67,17 +67,15 @@ class Sft(CausalLM):
         return super().metric_names() + ("answer_accuracy",)
 
     def load(self, cfg, train, evaluation):
-        m = cfg.model
-        if m.config is None:
-            _check_kind(_pretrained_config(m), f"model.name_or_path: '{m.name_or_path}'")
+        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, _ = self.tokenizer(cfg)
         chat.use_template(tokenizer, cfg.data.chat_template, needed=cfg.sft.train_on != "completion")
         if tokenizer.pad_token is None:  # padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        if m.config is not None:
+        if config is None:
             model = self._from_config(cfg, tokenizer)
         else:
-            model = _pretrained(m)
+            model = _pretrained(cfg.model, config)
             chat.resize_embeddings(model, tokenizer)  # the template's new special tokens
         stop = chat.end_of_turn_ids(tokenizer, cfg.data.chat_template)
         if stop:  # model/ then answers a pipeline("text-generation") conversation up to the end of its turn
