@@ -17,7 +17,7 @@ def _install(out):
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
     start, end = int(os.environ.get("PROF_START", 21)), int(os.environ.get("PROF_END", 30))
-    rec = {"between": [], "forward": [], "backward_step": [], "shapes": []}
+    rec = {"between": [], "forward": [], "backward_step": []}
     st = {"last_end": None, "fwd": None, "bwd": None, "steps": 0, "prof": None, "in_step": False}
 
     def pre_hook(module, args):
