@@ -135,9 +135,11 @@ def test_the_report_command_refuses_a_folder_that_is_no_run(tmp_path):
 
 
 def test_the_report_is_rewritten_while_the_run_trains(tiny_model, easy_data, hf_home, tmp_path, monkeypatch):
-    """With every_minutes that short, the page is rewritten at every log step, saying where the run stands."""
+    """With every_minutes that short (and no limit on drawing's share of the time), the page is rewritten at
+    every log step, saying where the run stands."""
     import framework.report as report
 
+    monkeypatch.setattr(report.LivePage, "SHARE", float("inf"))
     pages = []  # those written while the run trains (the final one has no live facts: it reads summary.json)
     original = report.write_report
 
@@ -154,6 +156,26 @@ def test_the_report_is_rewritten_while_the_run_trains(tiny_model, easy_data, hf_
     stood = [re.search(r"not finished \(in progress or stopped\): step (\d+) of 4", page).group(1) for page in pages]
     assert stood == ["1", "2", "3", "4", "4"]  # the last after the final evaluation's log line
     assert "finished: 4 steps" in (out / "report.html").read_text()
+
+
+def test_the_live_page_takes_at_most_one_percent_of_the_time(tmp_path, monkeypatch):
+    """Rewritten at most every every_minutes, and no sooner than 100 times its last drawing took: after a
+    drawing of 2 s it waits 200 s (every_minutes 1), after one of 0.3 s the minute."""
+    import framework.report as report
+
+    now, drawn = [0.0], []
+
+    def drawing(output_dir, live=None):  # the first takes 2 s, the others 0.3 s
+        drawn.append(now[0])
+        now[0] += 2.0 if len(drawn) == 1 else 0.3
+
+    monkeypatch.setattr(report.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(report, "write_report", drawing)
+    page = report.LivePage(tmp_path, {}, every_minutes=1, clock=report.Clock())
+    for second in range(0, 420, 10):  # a log step every 10 s
+        now[0] = max(now[0], second)
+        page.due()
+    assert drawn == [60, 270, 340, 410]  # 62 + 200 s; 270.3 + 60 s; 340.3 + 60 s
 
 
 def test_a_stopped_run_leaves_a_page_that_says_where_it_stood(tiny_model, easy_data, hf_home, tmp_path):
