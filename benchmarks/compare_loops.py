@@ -1,7 +1,8 @@
 """Compare this framework with a minimal accelerate loop and with transformers.Trainer.
 
     .venv/bin/python benchmarks/compare_loops.py [--repeats|--rounds 5] [--device cpu|gpu] [--threads N]
-        [--case default|tiny|loops|default_job|all] [--set KEY=VALUE ...] [--json results.json]
+        [--case default|tiny|loops|default_job|all] [--job-sides all|as-users-get-them] [--set KEY=VALUE ...]
+        [--json results.json]
 
 Two comparisons. The loop-only cases (``default``, ``tiny``; ``--case loops``, the default) make everything
 but the training loop equal, below. The end-to-end case (``default_job``) runs the default recipe's whole
@@ -80,7 +81,8 @@ TOKENIZERS_PARALLELISM are removed from these children's environment, as in a us
 accuracy, and the peak RSS of the process tree. One unmeasured warm-up run per side (2 steps) first fills
 the datasets cache, so both sides then read the same cached, tokenized rows. Rounds alternate the sides; the
 ratio is the median over rounds of Trainer wall / framework wall: above 1, the framework is faster. The target
-is on the sides as users get them; the sides without checkpoints give the same-work ratio beside it.
+is on the sides as users get them; the sides without checkpoints give the same-work ratio beside it
+(``--job-sides as-users-get-them`` leaves those two out, in half the time).
 """
 
 from __future__ import annotations
@@ -375,7 +377,7 @@ class JobCase(Case):
     def summarize(self, runs: List[Dict]) -> Dict:
         ratios = {name: {metric: paired(runs, metric, *pair)
                          for metric in ("total_wall_s", "train_and_eval_s", "peak_rss_mib")}
-                  for name, pair in self.PAIRS.items()}
+                  for name, pair in self.PAIRS.items() if set(pair) <= set(self.loops)}  # --job-sides
         first = ratios[next(iter(self.PAIRS))]
         return {"medians": medians(runs, self.loops, self.METRICS), "ratios": ratios,
                 "targets": {self.TARGET: first["total_wall_s"] > 1}}
@@ -538,6 +540,9 @@ def main() -> None:
                         help="a recipe override for every side of the chosen cases (after the case's own; the "
                              "loop-only cases' fixed settings still win), e.g. data.max_train_samples=256 for a "
                              "quick check of default_job")
+    parser.add_argument("--job-sides", choices=["all", "as-users-get-them"], default="all",
+                        help="default_job's sides: all four (the default), or only the two the target is on "
+                             "(framework and Trainer, each with its checkpoints): half the time")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     if args.repeats < 1 or (args.threads is not None and args.threads < 1):
@@ -570,6 +575,9 @@ def main() -> None:
         for name in chosen:
             case = cases[name]
             case.overrides = [*case.overrides, *args.overrides]
+            if isinstance(case, JobCase) and args.job_sides != "all":
+                case.loops = {side: command for side, command in case.loops.items()
+                              if side in next(iter(JobCase.PAIRS.values()))}
             runs = bench.rounds(case, args.repeats, label=f"{name}-", tag=f"[{name}] ")
             summary = case.summarize(runs)
             report["cases"][name] = {"settings": asdict(case), "runs": runs, **summary}

@@ -565,6 +565,27 @@ def _xla_loaders_with_dataset() -> None:
         MpDeviceLoaderWrapper.dataset = property(lambda self: self._loader.dataset)
 
 
+def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> None:
+    """Scale the gradients down to a global 2-norm of at most ``max_norm``: accelerate's ``clip_grad_norm_``.
+    Where they are plain tensors in host memory (the CPU: one process, or DDP over gloo) the multiplication is
+    skipped when its factor is 1: torch multiplies by ``min(1, max_norm / (norm + 1e-6))`` unconditionally, so
+    that an accelerator never waits for the host to read the norm, a read that costs nothing on the CPU, and
+    multiplying by 1 changes no bit. One pass over every gradient fewer at the steps that do not clip; the
+    factor is computed as torch computes it, so the result is bitwise the same (a non-finite norm still
+    multiplies)."""
+    from accelerate.utils import DistributedType
+
+    if (accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU)
+            or accelerator.device.type != "cpu" or tensor_parallel_size(accelerator) > 1):
+        accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    accelerator.unscale_gradients()
+    parameters = list(model.parameters())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if not bool(max_norm / (norm + 1e-6) >= 1.0):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+
+
 def save_state(accelerator: Accelerator, folder: str) -> None:
     """``accelerator.save_state``, on XLA in torch's format: accelerate loads a safetensors checkpoint through
     safetensors' ``load_model``, which reads storage pointers that XLA tensors do not have (resume failed)."""

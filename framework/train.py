@@ -420,7 +420,7 @@ def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
             loss_sum = task.loss_sum(model, batch)
             acc.backward(loss_sum * scale)
             if acc.sync_gradients and run.cfg.train.max_grad_norm:
-                acc.clip_grad_norm_(model.parameters(), run.cfg.train.max_grad_norm)
+                device.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
             run.optimizer.step()
             run.optimizer.zero_grad()
         window.add(loss_sum, count, batch)
