@@ -62,6 +62,7 @@ bench: install
 	$(BIN)/pip install -q --no-deps cut-cross-entropy==25.1.1
 	$(BIN)/python benchmarks/options.py
 	$(BIN)/python benchmarks/compare_loops.py
+	$(BIN)/python benchmarks/compare_loops.py --case default_job --job-sides as-users-get-them --rounds 3
 	$(BIN)/python benchmarks/compare_lm.py --rounds 3
 	$(BIN)/python benchmarks/chunked_loss.py --rounds 3
 
