@@ -232,7 +232,9 @@ def test_chunked_log_probabilities_equal_full_logits(loss):
     # Each parameter's gradient by its norm, as tests/test_losses.py measures the chunked loss.
     worst = worst_gradient(got_grads, want_grads)
     print(f"dpo {loss}: chunked loss {relative(got, want):.1e}, gradients {worst:.1e} relative")
-    assert worst < 1e-6
+    # sigmoid's gradient is a difference of chosen and rejected log-probabilities' gradients (they cancel): on an
+    # AMD EPYC (AVX2) it measured 1.3e-6 on one thread, every run, where an AVX-512 machine gave 3.8e-7.
+    assert worst < 2e-6
 
 
 # ---------------------------------------------------------------- runs
