@@ -1,4 +1,4 @@
-"""Command line: ``run.py [--config RECIPE] [--print-config] [--dry-run] [KEY=VALUE ...]``."""
+"""Command line: ``run.py [--config RECIPE] [--print-config] [--dry-run] [--help-keys [SECTION]] [KEY=VALUE ...]``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate, load data and model, print the plan, and exit without training")
+    parser.add_argument("--help-keys", nargs="?", const="", metavar="SECTION",
+                        help="print every recipe key (or one section's) with its type, default and meaning, and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser.parse_intermixed_args(argv)
 
@@ -45,6 +47,8 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    if args.help_keys is not None:
+        return _help_keys(args.help_keys)
     cfg = None
     # Installed before the heavy imports, so a signal at any moment ends with one line.
     with Signals() as signals:
@@ -71,6 +75,17 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
             return EXIT_USER_ERROR
         except Interrupted as e:
             return _stopped(cfg, signals, e.signum)
+    return 0
+
+
+def _help_keys(section: str) -> int:
+    from framework import keys
+
+    try:
+        print(keys.render(keys.select(keys.recipe_sections(), section)).lstrip("\n"), end="")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     return 0
 
 

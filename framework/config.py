@@ -267,7 +267,7 @@ class CheckpointConfig:
 class ReportConfig:
     enabled: bool = True
     """Write ``output_dir/report.html`` with PNG plots (curves, time, memory) at the end of the run and, while it
-    trains, every ``every_minutes``. Drawing takes about a second each time."""
+    trains, every ``every_minutes``."""
     every_minutes: float = _bounded(1.0, gt=0)
     """How often the report is rewritten while the run trains (at the next log step after this long), at most:
     never so often that drawing it takes more than 1% of the training time."""
