@@ -93,6 +93,11 @@ def test_every_recipe_and_launch_config_named_exists():
     assert not missing, missing
 
 
+def test_every_test_file_named_exists():
+    missing = [(page, name) for page, name in named(r"\b(test_\w+\.py)") if not (ROOT / "tests" / name).is_file()]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_resolve(page):
     links = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
