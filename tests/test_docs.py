@@ -4,7 +4,6 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import List, Literal, Optional, Union
 
 import pytest
