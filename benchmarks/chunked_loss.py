@@ -8,7 +8,7 @@ The model is the default causal_lm recipe's (recipes/causal_lm.yaml: GPT-2, 4 la
 fp32) with the recipe's AdamW (torch's fused kernel), on random token blocks, every token a target. A case is
 VOCAB x BATCH x LENGTH. Each (side, case) is measured in a fresh process (``--child``): 2 warm-up steps
 (torch.compile's compilation for cce), then ``--steps`` timed steps (forward, loss, backward, clip, AdamW step, zero_grad), on the CPU under the
-framework's allocator setting (large buffers kept on the heap, framework/device.py), reporting its peak RSS
+framework's allocator setting (large buffers kept on the heap, framework/backend/cpu.py), reporting its peak RSS
 (``ru_maxrss``; on a GPU the CUDA allocator's peak) and the median step's tokens/s. The sides alternate within
 each of ``--rounds`` rounds, and the ratios are of medians over rounds, side by side in one run:
 
@@ -72,11 +72,11 @@ def child(side: str, vocab: int, batch: int, length: int, steps: int, chunk: int
 
     from framework import losses
 
-    from framework import device
+    from framework import backend
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu":  # the framework's CPU allocator setting, on every side (framework/device.py)
-        device._reuse_large_buffers()
+    if dev.type == "cpu":  # the framework's CPU allocator setting, on every side (framework/backend/cpu.py)
+        backend.reuse_large_buffers()
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=vocab, n_layer=4, n_head=4, n_embd=128, n_positions=max(length, 128))
     model = GPT2LMHeadModel(config).to(dev).train()

@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from framework import adapters, device, profiling, report, xla_spmd
+from framework import adapters, backend, profiling, report
 from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
 
@@ -229,7 +229,7 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    device.save_state(accelerator, str(tmp))
+    backend.save_state(accelerator, str(tmp))
     if loader_state is not None:
         save_loader_state(loader_state, tmp, accelerator.process_index)
     accelerator.wait_for_everyone()
@@ -326,7 +326,7 @@ class Preempted(Exception):
 # ---------------------------------------------------------------- model
 
 
-def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: xla_spmd.Mesh, merge: bool = False) -> None:
+def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: backend.Mesh, merge: bool = False) -> None:
     """``save_pretrained`` in safetensors with the tokenizer: loadable by ``transformers.pipeline``. An adapted
     model writes its adapter, and with ``merge`` the merged model too (``adapters.save``).
 
@@ -335,15 +335,15 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: xla
     renamed over ``path`` when complete. Other processes must not call ``save_pretrained``: it lists
     and creates the folder on every rank, which races with the main process's rename.
     """
-    state_dict = device.state_dict_for_save(accelerator, model, mesh)
+    state_dict = backend.state_dict_for_save(accelerator, model, mesh)
     if accelerator.is_main_process:
         tmp = path.with_name(f".tmp_{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = device.unwrap(accelerator, model, mesh)
+        unwrapped = backend.unwrap(accelerator, model, mesh)
         if adapters.is_adapted(unwrapped):
             adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
         else:
-            with device.saving_gathered(unwrapped):
+            with backend.saving_gathered(unwrapped):
                 unwrapped.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from framework import keys
+from framework.config import load_config, to_yaml
 from framework.errors import UserError
 from framework.signals import Interrupted, Signals
 
@@ -53,15 +55,13 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
     # Installed before the heavy imports, so a signal at any moment ends with one line.
     with Signals() as signals:
         try:
-            from framework.config import load_config, to_yaml
-
             cfg = load_config(args.config or default_recipe, args.overrides)
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            from framework import device
+            from framework import backend
 
-            device.select_backend(cfg)  # before anything imports accelerate
+            backend.select_backend(cfg)  # before anything imports accelerate
             from framework.checkpoint import Preempted
             from framework.train import train
 
@@ -79,8 +79,6 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
 
 
 def _help_keys(section: str) -> int:
-    from framework import keys
-
     try:
         print(keys.render(keys.select(keys.recipe_sections(), section)).lstrip("\n"), end="")
     except UserError as e:

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.errors import UserError
+from framework.trackers import TRACKER_PACKAGES
 
 # Field bounds live in field metadata: gt (exclusive minimum), ge, le, lt.
 def _bounded(default: Any, **bounds: float) -> Any:
@@ -121,12 +122,6 @@ class DataConfig:
     """Language models: tokens per row; default the model's positions, at most 1024."""
     messages_column: str = "messages"
     """sft: the column holding conversations (a list of {role, content}, or its JSON text as a csv holds it)."""
-    prompt_column: str = "prompt"
-    """Post-training: the column holding the prompt (a string, or a conversation: a list of {role, content})."""
-    completion_column: str = "completion"
-    """sft: the column holding the completion of ``prompt_column`` (a string or a conversation)."""
-    chat_template: Optional[str] = None
-    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
     mlm_probability: float = _bounded(0.15, gt=0.0, lt=1.0)
     """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
@@ -371,7 +366,7 @@ class DistributedConfig:
     """Tensor parallelism over this many processes, every launched one (accelerate's ParallelismConfig tp_size, the
     model sharded by transformers' tensor-parallel plan: Llama-style models, ``base_model_tp_plan``): each process
     holds 1/N of each attention and MLP matrix and all see the same batches. Not combinable with FSDP, DeepSpeed,
-    adapters, local SGD, XLA or checkpoints (framework/device.py says why for each)."""
+    adapters, local SGD, XLA or checkpoints (framework/backend/selection.py says why for each)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
@@ -801,8 +796,6 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     steps = cfg.train.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"train.profile_steps: {steps} must be [START, END] with 1 <= START <= END (optimizer steps)")
-    from framework.report import TRACKER_PACKAGES
-
     for name in cfg.report_to:
         if name not in TRACKER_PACKAGES:
             problems.append(f"report_to: {name!r} is not a tracker; use any of {', '.join(TRACKER_PACKAGES)}")

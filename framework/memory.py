@@ -10,20 +10,14 @@ floor for the peak, good for seeing which part dominates and whether a run canno
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import torch
 
-from framework import device
-from framework.config import DistributedConfig, OptimConfig, RunConfig
+from framework.config import OptimConfig, RunConfig
 
 MIB = 2**20
-STATES = ("weights", "gradients", "optimizer_state")
-# What each layout splits across processes (the rest is replicated on every device).
-ZERO_SHARDED = {0: frozenset(), 1: frozenset({"optimizer_state"}),
-                2: frozenset({"optimizer_state", "gradients"}), 3: frozenset(STATES)}
-FSDP_SHARDED = {"FULL_SHARD": frozenset(STATES), "HYBRID_SHARD": frozenset(STATES),
-                "SHARD_GRAD_OP": frozenset({"optimizer_state", "gradients"}), "NO_SHARD": frozenset()}
 # bitsandbytes keeps 32-bit state for tensors smaller than this, and one fp32 scale per block of the rest.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
@@ -108,29 +102,18 @@ def _state_bytes(shape: tuple, cfg: OptimConfig) -> int:
     raise ValueError(f"no state estimate for optimizer {cfg.name}")
 
 
-def sharded_states(distributed: DistributedConfig) -> FrozenSet[str]:
-    """Which of weights, gradients and optimizer state the strategy splits across processes."""
-    if distributed.strategy == "deepspeed":
-        return ZERO_SHARDED[distributed.deepspeed.zero_stage]
-    if distributed.strategy == "fsdp":
-        return FSDP_SHARDED[distributed.fsdp.sharding_strategy]
-    if distributed.strategy == "xla_fsdp" or distributed.tensor_parallel:
-        return frozenset(STATES)
-    return frozenset()
+@dataclass(frozen=True)
+class MemoryLayout:
+    """What the memory plan needs to know of the strategy: the backend's ``memory_layout`` says it."""
 
-
-def offloaded_states(distributed: DistributedConfig) -> FrozenSet[str]:
-    """Which states the strategy keeps in host memory instead of on the device. FSDP's parameter offload
-    moves gradients along and steps the optimizer on the CPU."""
-    if distributed.strategy == "deepspeed":
-        z = distributed.deepspeed
-        moved = {"optimizer_state"} if z.offload_optimizer != "none" else set()
-        if z.offload_params != "none":
-            moved.add("weights")
-        return frozenset(moved)
-    if distributed.strategy == "fsdp" and distributed.fsdp.offload_params:
-        return frozenset(STATES)
-    return frozenset()
+    shards: int  # how many ways the sharded states are split (the processes; under xla_fsdp the mesh's fsdp axis)
+    sharded: FrozenSet[str]  # of weights, gradients, optimizer_state: those split over the shards
+    offloaded: FrozenSet[str]  # those kept in host memory instead of on the device
+    half_copies: bool  # DeepSpeed under bf16/fp16: 16-bit weights and gradients, an fp32 master in the optimizer state
+    first_chunk: bool  # FSDP2: each parameter cut on dimension 0 into torch.chunk's pieces, the first process's largest
+    # Tensor parallelism: the model is already sharded; this process's piece of a parameter. None otherwise.
+    local_piece: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    activation_checkpointing: bool  # the strategy checkpoints activations itself (FSDP's activation_checkpointing)
 
 
 def activation_estimate(model_config: object, batch_size: int, seq_length: int, element_bytes: int,
@@ -177,36 +160,32 @@ def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk
     return (8 if autocast else 4) * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
 
-def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
-         distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
+def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, seq_length: Optional[int] = None,
          token_logits: bool = False, sequences: int = 1, frozen: Sequence[torch.nn.Module] = (),
          logits_chunk: Optional[int] = None) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
-    sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
+    sharding as the strategy lays them out (``layout``: ``backend.memory_layout``), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
     ``data.max_length``), with ``token_logits`` (language models) the logits of every token
     (``logits_chunk``: of that many tokens at a time, the chunked loss), and their total
     on the device (offloaded states excluded). ``sequences``: rows per example (a preference pair's two);
     ``frozen``: models the task holds beside it (DPO's reference: their weights, replicated). Call it on the model as loaded, before
-    ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
-    the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
-    launch config is that strategy, with the recipe's settings).
+    ``accelerator.prepare`` shards it.
 
     Under accelerate's autocast the weights, gradients and optimizer state stay fp32; DeepSpeed with bf16
     or fp16 instead keeps 16-bit weights and gradients and an fp32 master copy in the optimizer state.
     """
-    distributed = distributed or device.resolved_distributed(cfg)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     trainable_count = sum(p.numel() for p in trainable)
-    half_copies = distributed.strategy == "deepspeed" and cfg.precision in ("fp16", "bf16")
+    half_copies, shards = layout.half_copies, layout.shards
     full = _state_bytes_of(params, trainable, cfg, half_copies)
-    sharded, offloaded = sharded_states(distributed), offloaded_states(distributed)
-    if distributed.tensor_parallel:
-        # The model is already sharded (device.tensor_parallel_model): this process's pieces, exactly; the norms
-        # and any layer outside the plan stay whole on every process.
-        local = [device.local_shard(p) for p in params]
+    sharded, offloaded = layout.sharded, layout.offloaded
+    if layout.local_piece:
+        # The model is already sharded (tensor parallelism): this process's pieces, exactly; the norms and any
+        # layer outside the plan stay whole on every process.
+        local = [layout.local_piece(p) for p in params]
         per_device = _state_bytes_of(local, [t for t, p in zip(local, params) if p.requires_grad], cfg, half_copies)
-    elif distributed.strategy == "fsdp" and distributed.fsdp.version == 2 and shards > 1:
+    elif layout.first_chunk and shards > 1:
         # FSDP2 splits every parameter on its first dimension into torch.chunk's pieces, the first process's
         # the largest: that process's bytes, exactly (what summary.json's per_device reads from its shards).
         first = _state_bytes_of([_first_chunk(p, shards) for p in params],
@@ -214,8 +193,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         per_device = {k: first[k] if k in sharded else v for k, v in full.items()}
     else:
         per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
-    checkpointing = cfg.train.gradient_checkpointing or (distributed.strategy == "fsdp"
-                                                         and distributed.fsdp.activation_checkpointing)
+    checkpointing = cfg.train.gradient_checkpointing or layout.activation_checkpointing
     seq_length = seq_length or cfg.data.max_length
     config = getattr(model, "config", None)
     rows = cfg.train.batch_size * sequences

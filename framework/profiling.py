@@ -1,5 +1,5 @@
 """``train.profile_steps: [START, END]``: a profiler trace of optimizer steps START to END, one per process, in
-``output_dir/profile/`` (``device.Trace``: torch.profiler's Chrome trace, torch_xla's profiler on XLA)."""
+``output_dir/profile/`` (``backend.Trace``: torch.profiler's Chrome trace, torch_xla's profiler on XLA)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from framework import device
+from framework import backend
 
 FOLDER = "profile"
 
@@ -19,7 +19,7 @@ class StepProfiler:
     def __init__(self, accelerator, steps: Optional[List[int]], output_dir: Path, say: Callable[[str], None]):
         self.accelerator, self.steps, self.say = accelerator, steps, say
         self.folder = output_dir / FOLDER
-        self.trace: Optional[device.Trace] = None
+        self.trace: Optional[backend.Trace] = None
         self.first = 0
 
     def after_step(self, done: int) -> None:
@@ -29,7 +29,7 @@ class StepProfiler:
         start, end = self.steps
         if self.trace is None and start - 1 <= done < end:  # also a run resumed inside the window
             self.first = done + 1
-            self.trace = device.Trace(self.accelerator, self.folder,
+            self.trace = backend.Trace(self.accelerator, self.folder,
                                       f"steps_{self.first}-{end}_rank{self.accelerator.process_index}")
         elif self.trace is not None and done >= end:
             self.close(done)

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from framework import plots
+from framework.config import flatten
+from framework.errors import UserError
+from framework.trackers import TRACKER_PACKAGES
 
 PAGE = "report.html"
 PLOTS = "plots"
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
-                    "comet_ml": ("comet_ml",), "aim": ("aim",), "clearml": ("clearml",), "dvclive": ("dvclive",),
-                    "swanlab": ("swanlab",), "trackio": ("trackio",)}  # accelerate's trackers and their modules
 
 
 def write_text(path: Path, text: str) -> None:
@@ -172,8 +172,6 @@ def check_trackers(trackers: Sequence[str]) -> None:
     """Refuse a tracker whose package is not installed, before any slow work."""
     import importlib.util
 
-    from framework.errors import UserError
-
     for name in trackers:
         if not any(importlib.util.find_spec(module) for module in TRACKER_PACKAGES[name]):
             raise UserError(f"report_to: {name} is not installed; `pip install {TRACKER_PACKAGES[name][0]}`, or "
@@ -183,8 +181,6 @@ def check_trackers(trackers: Sequence[str]) -> None:
 def hyperparameters(recipe: Dict[str, object]) -> Dict[str, object]:
     """The resolved recipe as one flat mapping for the trackers (``optim.lr``: 5e-05): numbers, strings, booleans
     and nulls as they are, lists and mappings as JSON text (what every tracker's hyperparameter table takes)."""
-    from framework.config import flatten
-
     return {key: value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value)
             for key, value in flatten(recipe).items()}
 
@@ -376,8 +372,6 @@ def differing_keys(runs: Sequence[Path]) -> Dict[str, List[object]]:
     """Recipe key -> each run's value, for the keys whose values are not all equal (a key a recipe lacks counts
     as missing)."""
     from omegaconf import OmegaConf
-
-    from framework.config import flatten
 
     recipes = [flatten(OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))) for run in runs]
     keys = sorted({k for r in recipes for k in r})

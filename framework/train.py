@@ -17,7 +17,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from framework import adapters, checkpoint, data, device, flops, harness, hub, memory, report, streaming, xla_spmd
+from framework import adapters, backend, checkpoint, data, flops, harness, hub, memory, report, streaming
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -61,26 +61,26 @@ class Run:
     steps_per_epoch: Optional[int]  # None for a stream
     total_steps: int
     plan: Dict[str, object]
-    compile_watch: device.CompileWatch
+    compile_watch: backend.CompileWatch
     start: checkpoint.StartPoint
     memory_plan: Dict[str, object]
-    mesh: xla_spmd.Mesh  # the devices one process drives under SPMD (one otherwise)
+    mesh: backend.Mesh  # the devices one process drives under SPMD (one otherwise)
     model_flops: flops.ModelFlops
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
 
 
-def eval_rows(cfg: RunConfig, mesh: xla_spmd.Mesh) -> int:
+def eval_rows(cfg: RunConfig, mesh: backend.Mesh) -> int:
     """Rows per eval batch; under SPMD one process feeds every device, so its batch holds all of theirs."""
     return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * mesh.devices
 
 
-def load_model_and_data(cfg: RunConfig, task: Task, mesh: Optional[xla_spmd.Mesh] = None):
+def load_model_and_data(cfg: RunConfig, task: Task, mesh: Optional[backend.Mesh] = None):
     """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
     (or built), and the rows prepared by the task; at most ``eval.batches`` eval batches. A stream's training
     features are made later, per process (None here). Seed first: a new model or head draws from the global RNG."""
-    rows = eval_rows(cfg, mesh or xla_spmd.Mesh())  # without SPMD one device
+    rows = eval_rows(cfg, mesh or backend.Mesh())  # without SPMD one device
     if cfg.data.streaming:
         streaming.check_sources(cfg, task.columns(cfg))
         model, tokenizer = task.load(cfg, None, None)
@@ -104,14 +104,14 @@ def setup(cfg: RunConfig) -> Run:
     task = get_task(cfg.task)
     report.check_trackers(cfg.report_to)
     # The recipe was checked with its own strategy; auto may have become FSDP or DeepSpeed from the launch config.
-    problems = adapters.check(cfg, device.resolved_distributed(cfg).strategy)
+    problems = adapters.check(cfg, backend.resolved_distributed(cfg).strategy)
     if problems:
         raise UserError(problems[0])
 
-    accelerator, mesh = device.build_accelerator(cfg)
+    accelerator, mesh = backend.build_accelerator(cfg)
     lm_harness = None
     if cfg.eval.harness is not None:
-        if cfg.eval.harness.every_steps and device.needs_static_shapes(accelerator):
+        if cfg.eval.harness.every_steps and backend.needs_static_shapes(accelerator):
             raise UserError("eval.harness.every_steps: on XLA the harness runs once, at the end, on a host copy of "
                             "the model (each request's new shape would compile a new graph); remove it")
         lm_harness = harness.Harness(cfg.eval.harness, cfg.seed)
@@ -120,14 +120,14 @@ def setup(cfg: RunConfig) -> Run:
     set_seed(cfg.seed)
     t = cfg.train
     # Under SPMD one process feeds every device: its loader batch holds every device's examples.
-    replicas = device.data_parallel(accelerator)[1] * mesh.devices
+    replicas = backend.data_parallel(accelerator)[1] * mesh.devices
     loader_batch = t.batch_size * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
         model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task, mesh)
     eval_ds = data.longest_first(eval_ds)
-    model = device.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.device.type))
+    model = backend.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.device.type))
     # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
     task = task.for_run(model, accelerator, cfg)
 
@@ -135,10 +135,10 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
                         f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
                         f"{replicas} devices = {per_step}); lower train.batch_size")
-    buckets = data.pad_lengths(cfg.data, device.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
+    buckets = data.pad_lengths(cfg.data, backend.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
     train_collate = task.collator(tokenizer, cfg, buckets)
     if train_ds is None:  # a stream: each process reads its own share, and its loader keeps its exact position
-        stream = streaming.train_stream(cfg, task, tokenizer, model, *device.data_parallel(accelerator))
+        stream = streaming.train_stream(cfg, task, tokenizer, model, *backend.data_parallel(accelerator))
         train_dl = streaming.StreamLoader(stream, train_collate, loader_batch, cfg.data.shuffle_buffer, cfg.seed,
                                           accelerator.device)
     else:
@@ -156,21 +156,21 @@ def setup(cfg: RunConfig) -> Run:
     # and shift dropout after every evaluation (evaluating more or less often must not change training).
     eval_dl = DataLoader(eval_ds, batch_size=rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
                          generator=torch.Generator().manual_seed(cfg.seed))
-    if device.model_checkpointing(cfg):
+    if backend.model_checkpointing(cfg):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
                             "set train.gradient_checkpointing=false")
         # Non-reentrant: works with frozen inputs and keeps the RNG state, so results match without it.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model = device.place_model(accelerator, model)
+    model = backend.place_model(accelerator, model)
     seq_length = task.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
-    shards = mesh.parameter_shards if mesh.shard_parameters else device.parameter_shards(accelerator)
-    memory_plan = memory.plan(model, cfg, shards, seq_length=seq_length, token_logits=task.token_logits,
+    shards = mesh.parameter_shards if mesh.shard_parameters else backend.parameter_shards(accelerator)
+    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), seq_length=seq_length, token_logits=task.token_logits,
                               sequences=task.sequences_per_example, frozen=task.frozen_models(),
                               logits_chunk=task.logits_chunk(model))
     model_flops = flops.model_flops(model)
-    peak, peak_source = device.peak_flops(accelerator)
+    peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
     if train_ds is None:
@@ -185,7 +185,7 @@ def setup(cfg: RunConfig) -> Run:
     train_dl, eval_dl = mesh.shard_loader(train_dl), mesh.shard_loader(eval_dl)
 
     plan = {
-        **device.describe(cfg, accelerator, mesh),
+        **backend.describe(cfg, accelerator, mesh),
         "per_device_batch": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "effective_batch": per_step,
@@ -200,14 +200,14 @@ def setup(cfg: RunConfig) -> Run:
                                  f"({model_flops.matmul_parameters / 1e6:.2f}M non-embedding parameters; PaLM's "
                                  "6N + 12LHQT, framework/flops.py)",
         "peak_flops": f"{peak / 1e12:.4g} TFLOP/s per device ({peak_source})" if peak else None,
-        "notes": (device.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds))
+        "notes": (backend.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds))
                   + task.notes(cfg, train_ds, eval_ds)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
-               steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
+               steps_per_epoch, total_steps, plan, backend.CompileWatch(accelerator, expected_graphs), start,
                memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness)
 
 
@@ -228,12 +228,12 @@ class LossWindow:
 
     def __init__(self, accelerator: Accelerator, model_flops: flops.ModelFlops):
         self.accelerator, self.model_flops = accelerator, model_flops
-        self.loss_sum = device.zero_scalar(accelerator)
-        self.targets = device.zero_scalar(accelerator)
+        self.loss_sum = backend.zero_scalar(accelerator)
+        self.targets = backend.zero_scalar(accelerator)
         # Since the start of this process's training: real tokens, and each token times its row's real length
         # (attention's FLOPs grow with it); ``logged``: their values at the latest close.
-        self.tokens = device.zero_scalar(accelerator, torch.long)
-        self.token_context = device.zero_scalar(accelerator, torch.long)
+        self.tokens = backend.zero_scalar(accelerator, torch.long)
+        self.token_context = backend.zero_scalar(accelerator, torch.long)
         self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
 
@@ -247,28 +247,28 @@ class LossWindow:
 
     def close(self) -> Window:
         """Host sync: the window's figures over all processes; starts a new window."""
-        loss = device.read_scalar(self.accelerator, self.loss_sum, "sum") / device.read_scalar(
+        loss = backend.read_scalar(self.accelerator, self.loss_sum, "sum") / backend.read_scalar(
             self.accelerator, self.targets, "sum")
         (tokens, context), before = self.totals(), self.logged
         result = Window(loss, self.micro_steps, time.perf_counter() - self.start, tokens - before[0],
                         self.model_flops.total(tokens - before[0], context - before[1]))
         self.logged = (tokens, context)
-        self.loss_sum, self.targets = device.zero_scalar(self.accelerator), device.zero_scalar(self.accelerator)
+        self.loss_sum, self.targets = backend.zero_scalar(self.accelerator), backend.zero_scalar(self.accelerator)
         self.micro_steps, self.start = 0, time.perf_counter()
         return result
 
     def totals(self) -> tuple:
         """Host sync: (tokens, token context) trained on by this process's run so far, all processes (the processes
         of a tensor-parallel group train on the same tokens: counted once)."""
-        tp = device.tensor_parallel_size(self.accelerator)
-        return tuple(int(device.read_scalar(self.accelerator, t, "sum")) // tp
+        tp = backend.tensor_parallel_size(self.accelerator)
+        return tuple(int(backend.read_scalar(self.accelerator, t, "sum")) // tp
                      for t in (self.tokens, self.token_context))
 
     def snapshot(self) -> dict:
         """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
         processes: restored on every process, the next logged sum over processes is the same."""
-        return {"loss_sum": device.read_scalar(self.accelerator, self.loss_sum, "mean"),
-                "targets": device.read_scalar(self.accelerator, self.targets, "mean"),
+        return {"loss_sum": backend.read_scalar(self.accelerator, self.loss_sum, "mean"),
+                "targets": backend.read_scalar(self.accelerator, self.targets, "mean"),
                 "micro_steps": self.micro_steps}
 
     def restore(self, snapshot: Optional[dict]) -> None:
@@ -289,7 +289,7 @@ class Saves:
         self.seconds = minutes * 60 if minutes else None
         # One process reads its own flags every step; several must agree (an all-reduce and a host read),
         # so they ask only when they log anyway.
-        self.check_every = device.preemption_check_interval(run.accelerator, run.cfg.train.log_every)
+        self.check_every = backend.preemption_check_interval(run.accelerator, run.cfg.train.log_every)
 
     def save(self, state: TrainState, window: LossWindow) -> None:
         with self.run.compile_watch.host_work(), self.run.clock.phase("checkpoint"):
@@ -310,7 +310,7 @@ class Saves:
         several = self.run.accelerator.num_processes > 1
         with self.run.compile_watch.host_work() if several else nullcontext():
             stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
-        if device.tensor_parallel_size(self.run.accelerator) > 1:  # no checkpoints (device._tensor_parallel_problem)
+        if backend.is_tensor_parallel(self.run.accelerator):  # no checkpoints (backend.selection._tensor_parallel_problem)
             if stop:
                 raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; a tensor-"
                                            "parallel run saves no checkpoint: it starts over when run again")
@@ -396,8 +396,9 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
             _log_eval(run, reporter, state)
         if run.harness is not None and run.harness.due(state.step):
-            with run.compile_watch.host_work(), run.clock.phase("eval"):
-                _log_harness(run, reporter, state, device.unwrap(run.accelerator, run.model, run.mesh))
+            with run.compile_watch.host_work(), run.clock.phase("eval"), \
+                    backend.generating(run.accelerator, run.model, run.mesh) as model:
+                _log_harness(run, reporter, state, model)
         saves.after_step(state, window)
         profiler.after_step(state.step)
         if state.step >= run.total_steps or state.stopped_early:
@@ -411,7 +412,7 @@ def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
     counts) weigh each target alike, unlike a mean of per-batch means."""
     acc, model, task = run.accelerator, run.model, run.task
     counts = [task.targets(batch) for batch in batches]
-    total = device.total_over_processes(acc, sum(counts))
+    total = backend.total_over_processes(acc, sum(counts))
     # accelerate divides each micro-batch's loss by the accumulation steps, and DDP/FSDP/DeepSpeed average
     # the gradients over processes: this scale turns both back into the division by the step's total.
     scale = acc.num_processes * len(batches) / total
@@ -420,7 +421,7 @@ def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
             loss_sum = task.loss_sum(model, batch)
             acc.backward(loss_sum * scale)
             if acc.sync_gradients and run.cfg.train.max_grad_norm:
-                device.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
+                backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
             run.optimizer.step()
             run.optimizer.zero_grad()
         window.add(loss_sum, count, batch)
@@ -495,18 +496,18 @@ def evaluate(run: Run) -> Dict[str, float]:
     acc, model = run.accelerator, run.model
     model.eval()
     parts = defaultdict(list)
-    with torch.no_grad(), device.large_buffers_unmapped():
+    with torch.no_grad(), backend.large_buffers_unmapped():
         for batch in run.eval_dl:
             batch = run.mesh.shard_batch(batch)
             valid = batch.pop("valid", None)
             outputs = run.task.eval_outputs(model, batch)
             if valid is not None:
                 outputs["valid"] = valid
-            for key, value in device.gather_for_metrics(acc, outputs).items():
+            for key, value in backend.gather_for_metrics(acc, outputs).items():
                 parts[key].append(value)
     model.train()
     # One sync and host transfers at the end, rather than one per batch.
-    gathered = {key: np.concatenate(device.to_host(acc, values)) for key, values in parts.items()}
+    gathered = {key: np.concatenate(backend.to_host(acc, values)) for key, values in parts.items()}
     if "valid" in gathered:
         keep = gathered.pop("valid").astype(bool)
         gathered = {key: value[keep] for key, value in gathered.items()}
@@ -529,7 +530,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if acc.is_main_process:
         print(format_plan(run.plan), flush=True)
         print(memory.format_plan(run.memory_plan), flush=True)
-        warning = memory.capacity_warning(run.memory_plan, device.total_memory_bytes(acc))
+        warning = memory.capacity_warning(run.memory_plan, backend.total_memory_bytes(acc))
         if warning:
             print(f"warning: {warning}", flush=True)
     if dry_run:
@@ -593,8 +594,8 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         "device": run.plan["device"],
         "num_processes": acc.num_processes,
         "precision": acc.mixed_precision,
-        "memory": memory.measured(device.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
-                                  device.peak_memory_bytes(acc), held=device.held_bytes(acc, run.mesh)),
+        "memory": memory.measured(backend.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
+                                  backend.peak_memory_bytes(acc), held=backend.held_bytes(acc, run.mesh)),
         "memory_plan": run.memory_plan,
         "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
         "flops": {"trained": model_flops, "per_second": model_flops / fit_seconds,
@@ -603,22 +604,22 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     }
     if cfg.eval.metric is not None:
         summary["best"] = {"step": state.best_step, "metric": cfg.eval.metric, "value": state.best_value}
-    xla = device.xla_stats(acc)
+    xla = backend.xla_stats(acc)
     if xla is not None:
         summary["xla"] = {**xla, "warning": run.compile_watch.warning,
                           "transfers_in_steps": run.compile_watch.transfers_in_steps}
     # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
-    # collectives together; on XLA on the host CPU (device.for_generation), after the XLA figures.
-    sample = run.task.sample(device.for_generation(acc, run.model, run.mesh), run.tokenizer, cfg,
-                             run.eval_dl.dataset)
-    if sample is not None:
-        summary["sample"] = sample
-        if acc.is_main_process:
-            print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
-    if run.harness is not None:  # on the model the sample came from (on XLA: its host copy)
-        if state.harness is None or state.harness["step"] != state.step:
-            _log_harness(run, reporter, state, device.for_generation(acc, run.model, run.mesh))
-        summary["harness"] = state.harness
+    # collectives together; on XLA on a host copy (backend.generating), after the XLA figures.
+    with backend.generating(acc, run.model, run.mesh) as model:
+        sample = run.task.sample(model, run.tokenizer, cfg, run.eval_dl.dataset)
+        if sample is not None:
+            summary["sample"] = sample
+            if acc.is_main_process:
+                print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
+        if run.harness is not None:  # on the model the sample came from (on XLA: its host copy)
+            if state.harness is None or state.harness["step"] != state.step:
+                _log_harness(run, reporter, state, model)
+            summary["harness"] = state.harness
     wall = time.perf_counter() - started
     summary["wall_seconds"] = wall  # setup, the loop's parts and the finish (evaluation, saving) add up to it
     summary["time"] = {"setup": fit_start - started, **fit_time, "finish": wall - (fit_start - started) - fit_seconds}

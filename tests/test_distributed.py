@@ -117,13 +117,13 @@ def test_tensor_parallel_refuses_a_model_it_cannot_shard(kind, config, message):
     """Checked before transformers shards anything (the 2-process run: tests/test_fsdp.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from framework import device
+    from framework import backend
     from framework.errors import UserError
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=16, **config))
     accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(tp_size=2, tp_enabled=True))
     with pytest.raises(UserError, match=message):
-        device.tensor_parallel_model(accelerator, model)
+        backend.tensor_parallel_model(accelerator, model)
 
 
 def test_xla_without_torch_xla_names_the_extra(capsys, args):
@@ -136,9 +136,9 @@ def test_xla_without_torch_xla_names_the_extra(capsys, args):
 
 
 def test_fp16_on_xla_is_refused(capsys, args, monkeypatch):
-    from framework import device
+    from framework.backend import selection
 
-    monkeypatch.setattr(device, "has_xla", lambda: True)
+    monkeypatch.setattr(selection, "has_xla", lambda: True)
     assert "precision: fp16 is not supported on XLA" in error_of(capsys, args("backend=xla", "precision=fp16"))
 
 
@@ -157,45 +157,45 @@ def test_strategy_auto_under_a_deepspeed_launch_is_refused_without_cuda(capsys, 
 
 
 def test_strategy_auto_takes_the_recipe_fsdp_settings_under_an_fsdp_launch(monkeypatch):
-    from framework import device
+    from framework import backend
     from framework.config import RunConfig
 
     cfg = RunConfig()
     f = cfg.distributed.fsdp
     f.sharding_strategy, f.auto_wrap_policy, f.min_num_params, f.offload_params = "SHARD_GRAD_OP", "size", 1234, True
-    assert "fsdp_plugin" not in device._plugins(cfg)  # strategy auto, launched without FSDP
+    assert "fsdp_plugin" not in backend.build._plugins(cfg)  # strategy auto, launched without FSDP
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    plugin = device._plugins(cfg)["fsdp_plugin"]
-    assert cfg.distributed.strategy == "auto" and device.strategy(cfg) == "fsdp"
+    plugin = backend.build._plugins(cfg)["fsdp_plugin"]
+    assert cfg.distributed.strategy == "auto" and backend.strategy(cfg) == "fsdp"
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False  # SHARD_GRAD_OP under FSDP2
     assert plugin.min_num_params == 1234 and plugin.auto_wrap_policy.__name__ == "size_based_auto_wrap_policy"
     assert plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
 
 
 def test_strategy_auto_takes_the_recipe_zero_stage_under_a_deepspeed_launch(monkeypatch):
-    from framework import device
+    from framework import backend
     from framework.config import RunConfig
 
     cfg = RunConfig()
     cfg.distributed.deepspeed.zero_stage = 3
     cfg.train.gradient_accumulation_steps = 4
-    assert "deepspeed_plugin" not in device._plugins(cfg)
+    assert "deepspeed_plugin" not in backend.build._plugins(cfg)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # the launch config's stage: the recipe's wins
-    plugin = device._plugins(cfg)["deepspeed_plugin"]
+    plugin = backend.build._plugins(cfg)["deepspeed_plugin"]
     assert plugin.zero_stage == 3 and plugin.gradient_accumulation_steps == 4
     # The plan says so (an accelerator on GPUs under DeepSpeed, as far as notes() looks at it).
     accelerator = SimpleNamespace(device=torch.device("cuda"), distributed_type="DEEPSPEED", num_processes=2)
     assert "ZeRO stage 3 comes from the recipe (distributed.deepspeed.zero_stage); the launch config's stage 2 " \
-           "is not used" in device.notes(cfg, accelerator)
+           "is not used" in backend.notes(cfg, accelerator)
 
 
 def test_launch_of_two_processes_set_up_as_one_is_refused(capsys, args, monkeypatch):
     """The old failure: the launcher starts 2 processes but accelerate sets up a single-process run in each
     (here forced by not asking for the CPU), which would train twice into one output_dir."""
-    from framework import device
+    from framework.backend import build
 
-    monkeypatch.setattr(device, "_auto_means_cpu", lambda cfg: False)
+    monkeypatch.setattr(build, "auto_means_cpu", lambda cfg: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     err = error_of(capsys, args())

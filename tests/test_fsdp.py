@@ -1,5 +1,5 @@
 """FSDP2 for real on CPU processes (gloo; NCCL on GPUs under make test-gpu): accelerate's own FSDP2 path
-(device.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
+(backend.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
 holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
 (torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
 pipeline(); a checkpoint refuses another process count by name. Tensor parallelism (accelerate's ParallelismConfig
@@ -78,10 +78,18 @@ def cli_module(hf_home):
 
 
 def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
-    """What device.fsdp2_on_cpu_processes relies on (tests/scripts/fsdp_contract.py says each assumption)."""
+    """What backend.fsdp2_on_cpu_processes relies on (tests/scripts/fsdp_contract.py says each assumption)."""
     proc = cli_module([str(free_port())], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "fsdp_contract.py",
                       launch_args=launch())
     assert "fsdp2 contract holds" in proc.stdout
+
+
+def test_generating_mid_training_under_fsdp2_leaves_the_weights_bitwise(cli_module):
+    """backend.generating on 2 FSDP2 processes: unsharded to generate, resharded and back in training mode after,
+    the final weights bitwise those of the same run without it (tests/scripts/generating_mid_training.py)."""
+    proc = cli_module(["fsdp"], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "generating_mid_training.py",
+                      launch_args=launch())
+    assert "generating mid-training kept the weights (fsdp)" in proc.stdout
 
 
 def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_run, cli_module, corpus,
@@ -243,7 +251,7 @@ def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_r
 
 @pytest.mark.slow
 def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_and_resumes_exactly(
-        cli_module, hf_home, pretrained_lm, corpus, tmp_path):
+        cli_module, hf_home, pretrained_lm, corpus, tmp_path):  # noqa: F811 (the fixture imported above)
     """LoRA on the FSDP2-sharded base (frozen, sharded too): the adapter and the merged model equal DDP's (bitwise
     on the CPU: only the adapters' small gradients are reduced, in the same order), pipeline() loads the merged
     model, and a kill mid-epoch resumes to the same adapter."""
@@ -374,7 +382,7 @@ def llama_one_process(tmp_path_factory, hf_home, word_tokenizer, corpus):
 
 def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module, corpus, word_tokenizer,
                                                                       llama_one_process, tmp_path):
-    """distributed.tensor_parallel=2: accelerate's ParallelismConfig(tp_size=2) (device._tensor_parallel) and the tiny
+    """distributed.tensor_parallel=2: accelerate's ParallelismConfig(tp_size=2) (backend.build._tensor_parallel) and the tiny
     Llama sharded by transformers' own tensor-parallel plan (colwise q/k/v/gate/up, rowwise o/down, the vocabulary
     of the embedding and the head). Both processes train on the same batches, so the run is one process's with the
     same batch: the rowwise layers' all-reduce sums each product's two halves where one process sums it whole, the

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT, read_metrics, tiny_args
-from framework.flops import chip
+from framework.backend.hardware import chip
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU checks skipped")]

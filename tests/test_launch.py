@@ -28,7 +28,7 @@ TWO = ["--num_processes", "2"]
 
 
 def cores() -> int:
-    """The cores this process may run on, computed the way framework/device.py does."""
+    """The cores this process may run on, computed the way framework/backend/cpu.py does."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -122,7 +122,7 @@ def test_plain_launch_with_cpu_threads_set(hf_home, args):
      (3, "auto: OMP_NUM_THREADS=3 respected; set train.cpu_threads to pin it")),
 ])
 def test_cpu_threads_auto(monkeypatch, env, threads):
-    from framework import device
+    from framework import backend
     from framework.config import RunConfig
 
     for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
@@ -130,6 +130,6 @@ def test_cpu_threads_auto(monkeypatch, env, threads):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     cfg = RunConfig()
-    assert device.cpu_threads(cfg) == (threads[0], threads[1].format(c=cores()))
+    assert backend.cpu_threads(cfg) == (threads[0], threads[1].format(c=cores()))
     cfg.train.cpu_threads = 5
-    assert device.cpu_threads(cfg) == (5, "train.cpu_threads")
+    assert backend.cpu_threads(cfg) == (5, "train.cpu_threads")

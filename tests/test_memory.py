@@ -5,11 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework import memory
+from framework import backend, memory
+from framework.backend.layout import sharded_states
 from framework.config import DistributedConfig, OptimConfig, RunConfig
 from framework.optim import build_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+
+
+def plan_of(model: torch.nn.Module, cfg: RunConfig, shards: int) -> dict:
+    """The plan as train.py makes it: the recipe's states laid out over ``shards`` devices."""
+    return memory.plan(model, cfg, backend.memory_layout(cfg, shards))
 
 # The small model below, by hand:
 #   Linear(64, 128): weight (128, 64) = 8192, bias 128; LayerNorm(128): 128 + 128; Linear(128, 4): (4, 128) = 512, 4
@@ -51,7 +57,7 @@ def recipe(**optim) -> RunConfig:
 
 @pytest.mark.parametrize("name", list(STATE))
 def test_single_device_plan_by_hand(name):
-    plan = memory.plan(small_model(), recipe(name=name), shards=1)
+    plan = plan_of(small_model(), recipe(name=name), 1)
     assert (plan["parameters"], plan["trainable_parameters"]) == (PARAMS, PARAMS)
     assert (plan["weight_bytes"], plan["gradient_bytes"]) == (4 * PARAMS, 4 * PARAMS)
     assert plan["optimizer_state_bytes"] == STATE[name]
@@ -60,13 +66,13 @@ def test_single_device_plan_by_hand(name):
 
 
 def test_sgd_without_momentum_has_no_state():
-    assert memory.plan(small_model(), recipe(name="sgd", momentum=0.0), 1)["optimizer_state_bytes"] == 0
+    assert plan_of(small_model(), recipe(name="sgd", momentum=0.0), 1)["optimizer_state_bytes"] == 0
 
 
 def test_frozen_parameters_have_weights_but_no_gradients_or_state():
     model = small_model()
     model[0].requires_grad_(False)
-    plan = memory.plan(model, recipe(), 1)
+    plan = plan_of(model, recipe(), 1)
     trainable = PARAMS - 8192 - 128
     assert (plan["trainable_parameters"], plan["weight_bytes"]) == (trainable, 4 * PARAMS)
     assert (plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (4 * trainable, 8 * trainable)
@@ -76,7 +82,7 @@ def test_zero2_shards_gradients_and_state_over_4():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="deepspeed")
     cfg.distributed.deepspeed.zero_stage = 2
-    plan = memory.plan(small_model(), cfg, shards=4)
+    plan = plan_of(small_model(), cfg, 4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 9092, 18184)
     assert plan["sharded"] == ["gradients", "optimizer_state"]
 
@@ -85,7 +91,7 @@ def test_zero2_bf16_keeps_16_bit_copies_and_an_fp32_master():
     cfg = recipe()
     cfg.precision = "bf16"
     cfg.distributed = DistributedConfig(strategy="deepspeed")
-    plan = memory.plan(small_model(), cfg, shards=4)
+    plan = plan_of(small_model(), cfg, 4)
     # weights 2 bytes; gradients 2 bytes / 4; Adam moments 8 + master weights 4 bytes, / 4
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (18184, 4546, 27276)
 
@@ -93,7 +99,7 @@ def test_zero2_bf16_keeps_16_bit_copies_and_an_fp32_master():
 def test_fsdp_full_shard_divides_everything_by_4():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="fsdp")
-    plan = memory.plan(small_model(), cfg, shards=4)
+    plan = plan_of(small_model(), cfg, 4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (9092, 9092, 18184)
     assert plan["total_bytes"] == 9092 + 9092 + 18184
 
@@ -101,7 +107,7 @@ def test_fsdp_full_shard_divides_everything_by_4():
 def test_ddp_replicates_everything():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="ddp")
-    plan = memory.plan(small_model(), cfg, shards=4)
+    plan = plan_of(small_model(), cfg, 4)
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == (36368, 36368, 72736)
 
 
@@ -115,23 +121,24 @@ def test_ddp_replicates_everything():
 def test_what_each_layout_shards(strategy, setting, value, sharded):
     distributed = DistributedConfig(strategy=strategy)
     setattr(getattr(distributed, strategy), setting, value)
-    assert sorted(memory.sharded_states(distributed)) == sharded
+    assert sorted(sharded_states(distributed)) == sharded
 
 
 def test_offloaded_states_leave_the_device_total():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="deepspeed")
     cfg.distributed.deepspeed.offload_optimizer = "cpu"
-    plan = memory.plan(small_model(), cfg, shards=4)
+    plan = plan_of(small_model(), cfg, 4)
     assert plan["offloaded"] == ["optimizer_state"]
     assert plan["total_bytes"] == 36368 + 9092
     cfg.distributed = DistributedConfig(strategy="fsdp")
     cfg.distributed.fsdp.offload_params = True
-    assert memory.plan(small_model(), cfg, shards=4)["total_bytes"] == 0
+    assert plan_of(small_model(), cfg, 4)["total_bytes"] == 0
 
 
 def test_the_launch_layout_overrides_the_recipe():
-    plan = memory.plan(small_model(), recipe(), 4, distributed=DistributedConfig(strategy="fsdp"))
+    cfg = recipe()
+    plan = memory.plan(small_model(), cfg, backend.memory_layout(cfg, 4, DistributedConfig(strategy="fsdp")))
     assert plan["weight_bytes"] == 9092
 
 
@@ -149,9 +156,9 @@ def test_strategy_auto_plans_what_the_launch_config_sets_up(monkeypatch, launche
     cfg = recipe()
     section, key = setting.split(".")
     setattr(getattr(cfg.distributed, section), key, value)
-    assert memory.plan(small_model(), cfg, 4)["sharded"] == []  # no such launch: nothing sharded
+    assert plan_of(small_model(), cfg, 4)["sharded"] == []  # no such launch: nothing sharded
     monkeypatch.setenv(f"ACCELERATE_USE_{launched}", "true")
-    plan = memory.plan(small_model(), cfg, 4)
+    plan = plan_of(small_model(), cfg, 4)
     assert cfg.distributed.strategy == "auto" and plan["sharded"] == sharded
     assert (plan["weight_bytes"], plan["gradient_bytes"], plan["optimizer_state_bytes"]) == per_device
 
@@ -178,12 +185,12 @@ def test_plan_uses_the_recipe_batch_length_precision_and_checkpointing():
     cfg = recipe()
     cfg.train.batch_size, cfg.data.max_length, cfg.precision, cfg.train.gradient_checkpointing = 4, 16, "no", True
     model = tiny_bert()
-    plan = memory.plan(model, cfg, 1)
+    plan = plan_of(model, cfg, 1)
     assert plan["activation_bytes"] == 2 * 4 * 2048 + 120832
     assert plan["total_bytes"] == plan["weight_bytes"] + plan["gradient_bytes"] + plan["optimizer_state_bytes"] + \
         plan["activation_bytes"]
     cfg.train.gradient_checkpointing, cfg.precision = False, "bf16"
-    assert memory.plan(model, cfg, 1)["activation_bytes"] == 2 * 63488
+    assert plan_of(model, cfg, 1)["activation_bytes"] == 2 * 63488
 
 
 def test_adamw_plan_is_within_5_percent_of_the_measured_state():
@@ -193,7 +200,7 @@ def test_adamw_plan_is_within_5_percent_of_the_measured_state():
     model(input_ids=torch.tensor([[2, 7, 9, 3]]), labels=torch.tensor([1])).loss.backward()
     optimizer.step()
     measured = memory.optimizer_state_bytes(optimizer)
-    planned = memory.plan(model, cfg, 1)["optimizer_state_bytes"]
+    planned = plan_of(model, cfg, 1)["optimizer_state_bytes"]
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
 
 
@@ -213,18 +220,18 @@ def test_format_plan_is_short_and_in_mib():
     cfg = recipe()
     cfg.distributed = DistributedConfig(strategy="deepspeed")
     cfg.distributed.deepspeed.offload_optimizer = "cpu"
-    text = memory.format_plan(memory.plan(tiny_bert(), cfg, 4))
+    text = memory.format_plan(plan_of(tiny_bert(), cfg, 4))
     lines = text.splitlines()
     assert lines[0].startswith("memory plan per device") and len(lines) == 7
     assert "gradients: " in text and "(sharded over 4 devices)" in lines[3]
     assert "optimizer state (adamw): " in lines[4] and "(sharded over 4 devices, on the host)" in lines[4]
     assert "activations: " in lines[5] and "batch 32 x 128 tokens" in lines[5]
     assert lines[6].startswith("  total on the device: ") and lines[6].endswith(" MiB")
-    assert "unknown" in memory.format_plan(memory.plan(small_model(), recipe(), 1))
+    assert "unknown" in memory.format_plan(plan_of(small_model(), recipe(), 1))
 
 
 def test_capacity_warning_only_when_the_plan_exceeds_the_device():
-    plan = memory.plan(tiny_bert(), recipe(), 1)
+    plan = plan_of(tiny_bert(), recipe(), 1)
     assert memory.capacity_warning(plan, None) is None
     assert memory.capacity_warning(plan, plan["total_bytes"]) is None
     warning = memory.capacity_warning(plan, plan["total_bytes"] // 2)

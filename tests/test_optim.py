@@ -276,11 +276,11 @@ def test_schedules_equal_transformers_get_scheduler_to_the_last_bit(schedule):
 
 @pytest.mark.parametrize("scale, clips", [(1e-3, False), (1e3, True), (float("inf"), True), (float("nan"), True)])
 def test_clipping_equals_accelerates_bitwise_and_skips_the_multiply_by_one(monkeypatch, scale, clips):
-    """device.clip_gradients on the CPU: the same gradients, bit for bit, as accelerate's clip_grad_norm_
+    """backend.clip_gradients on the CPU: the same gradients, bit for bit, as accelerate's clip_grad_norm_
     (under the limit, over it, non-finite), and no pass over them when the factor is 1."""
     from accelerate import Accelerator
 
-    from framework import device
+    from framework import backend
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -295,7 +295,7 @@ def test_clipping_equals_accelerates_bitwise_and_skips_the_multiply_by_one(monke
     expected = clipped(lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0))
     multiplies = []
     monkeypatch.setattr(torch, "_foreach_mul_", lambda *a, _f=torch._foreach_mul_: multiplies.append(1) or _f(*a))
-    got = clipped(lambda: device.clip_gradients(accelerator, model, 1.0))
+    got = clipped(lambda: backend.clip_gradients(accelerator, model, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert bool(multiplies) == clips
     if clips and math.isfinite(scale):

@@ -254,13 +254,13 @@ def test_the_window_counts_real_tokens_and_their_context(hf_home):
     ("TPU v5p", "TPU v5p"), ("TPU v5litepod", "TPU v5e"), ("TPU v6 lite", "TPU v6e"), ("NVIDIA L4", None), ("CPU", None),
 ])
 def test_device_names_map_to_their_peak_rows(name, row):
-    from framework.flops import chip
+    from framework.backend.hardware import chip
 
     assert chip(name) == row
 
 
 def test_peak_figures_by_precision():
-    from framework.flops import table_peak
+    from framework.backend.hardware import table_peak
 
     assert table_peak("H100 SXM", "bf16") == pytest.approx(989.4e12)
     assert table_peak("H200", "fp8") == pytest.approx(1978.9e12)
@@ -270,7 +270,7 @@ def test_peak_figures_by_precision():
 
 
 def test_the_cpu_probe_measures_matrix_products():
-    from framework.flops import measure_matmul_peak
+    from framework.backend.hardware import measure_matmul_peak
 
     fp32, size = measure_matmul_peak(torch.float32, seconds=0.2)
     assert 1e9 < fp32 < 1e14 and size in (128, 256, 512, 1024)  # a GFLOP/s at least, nothing a CPU cannot do

@@ -237,10 +237,10 @@ def test_recipe_key_turns_on_the_models_checkpointing(tiny_model, easy_data, tmp
     (["eval.metric=bleu"], "eval.metric: 'bleu' is not a metric of text_classification"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_invalid_combination_is_refused(capsys, monkeypatch, tiny_model, easy_data, tmp_path, overrides, message):
-    from framework import device
+    from framework.backend import selection
     from framework.cli import main
 
-    monkeypatch.setattr(device, "has_xla", lambda: True)  # lets the XLA refusals speak without torch_xla
+    monkeypatch.setattr(selection, "has_xla", lambda: True)  # lets the XLA refusals speak without torch_xla
     assert main(tiny_args(tiny_model, easy_data, tmp_path / "out", *overrides)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import adapters, chat, data, losses
+from framework import adapters, backend, chat, data, losses
 from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
@@ -166,9 +166,8 @@ class DPO(CausalLM):
     def for_run(self, model, accelerator, cfg) -> "DPO":
         """A copy of this task holding the run's ``dpo`` keys and, where a reference model runs at every step,
         that model. Made from the model as loaded, so that it is the starting weights, on a resume too."""
-        sharded = accelerator.distributed_type.name in ("FSDP", "DEEPSPEED")
-        if sharded and cfg.dpo.loss != "simpo":
-            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under {accelerator.distributed_type.name} "
+        if backend.shards_parameters(accelerator) and cfg.dpo.loss != "simpo":
+            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under FSDP or DeepSpeed "
                             "yet (its weights load on the first process only); use distributed.strategy=ddp, or "
                             "dpo.loss=simpo (no reference)")
         if cfg.dpo.loss == "simpo" or cfg.dpo.precompute_reference:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer
 
-from framework import device, losses
+from framework import backend, losses
 from framework.errors import UserError
 from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
 from framework.tasks import MODEL_ERRORS, Task
@@ -61,8 +61,8 @@ class LanguageModel(Task):
     select_targets = False
 
     def for_run(self, model, accelerator, cfg) -> "LanguageModel":
-        task = self.with_loss(cfg, static_shapes=device.needs_static_shapes(accelerator))
-        if device.tensor_parallel_size(accelerator) > 1:  # the head is sharded: its own forward gathers the logits
+        task = self.with_loss(cfg, static_shapes=backend.needs_static_shapes(accelerator))
+        if backend.is_tensor_parallel(accelerator):  # the head is sharded: its own forward gathers the logits
             task.loss_chunk = None
         return task
 

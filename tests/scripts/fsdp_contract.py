@@ -1,4 +1,4 @@
-"""What framework/device.py's fsdp2_on_cpu_processes relies on in the installed accelerate, checked on 2 CPU
+"""What framework/backend/build.py's fsdp2_on_cpu_processes relies on in the installed accelerate, checked on 2 CPU
 processes (launched by tests/test_fsdp.py): each assumption that breaks stops here with the reason.
 
 1. accelerate still drops the FSDP plugin on CPU processes (MULTI_CPU): otherwise the switch is no longer
@@ -25,7 +25,7 @@ def main() -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    from framework import device
+    from framework import backend
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="no_wrap",
                                             state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False)
@@ -34,9 +34,9 @@ def main() -> None:
     assert n == 2, n
     assert accelerator.distributed_type == DistributedType.MULTI_CPU, (
         f"accelerate now sets up {accelerator.distributed_type} itself on CPU processes with an FSDP plugin: "
-        "device.fsdp2_on_cpu_processes is no longer needed; remove it")
+        "backend.fsdp2_on_cpu_processes is no longer needed; remove it")
     assert getattr(accelerator.state, "fsdp_plugin", None) is None, "accelerate now keeps the plugin on MULTI_CPU"
-    assert device.fsdp2_on_cpu_processes(accelerator, plugin)
+    assert backend.fsdp2_on_cpu_processes(accelerator, plugin)
     assert accelerator.is_fsdp2 and accelerator.state.fsdp_plugin is plugin
     from accelerate.state import PartialState
 

@@ -1,4 +1,4 @@
-"""XLA SPMD, for ``framework/device.py``: one process drives every XLA device through a device mesh with a
+"""XLA SPMD, for the backend: one process drives every XLA device through a device mesh with a
 ``data`` and an ``fsdp`` axis (``distributed.strategy`` xla_spmd or xla_fsdp).
 
 - xla_spmd: each batch is split over every device; the parameters stay replicated and the compiler adds the

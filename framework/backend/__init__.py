@@ -1,0 +1,45 @@
+"""The one place that knows backends: recipe + launch -> Accelerator, what the run really got, and what training
+does differently on each. Callers write ``from framework import backend`` and ``backend.X(...)``; each concern is
+a module of its own:
+
+- selection: the backend and strategy asked for, and the combinations refused before anything is built
+- build: the Accelerator, its plugins, and what is set in accelerate's state after construction
+- topology: questions about what the run got (XLA, tensor parallelism, sharded states, data-parallel ranks)
+- layout: how a strategy splits and offloads the states, for the memory plan
+- cpu: CPU threads and the allocator
+- launch: the launch checked against the recipe, and the plan's text about it
+- ops: the per-step device work (placing the model, clipping, device scalars, host reads)
+- generation: generating in the middle of training and back
+- compiles: XLA's compilations watched
+- saving: gathering state dicts and checkpoints
+- hardware: the device's name, peak FLOP/s and memory
+- tracing: profiler traces
+- xla_spmd: XLA SPMD's device mesh
+"""
+
+from framework.backend.build import build_accelerator, fsdp2_on_cpu_processes, tensor_parallel_model
+from framework.backend.compiles import CompileWatch, xla_stats
+from framework.backend.cpu import cpu_threads, large_buffers_unmapped, reuse_large_buffers
+from framework.backend.generation import generating
+from framework.backend.hardware import peak_flops, peak_memory_bytes, total_memory_bytes
+from framework.backend.layout import MemoryLayout, memory_layout
+from framework.backend.launch import backend_name, describe, notes, strategy_name
+from framework.backend.ops import (clip_gradients, place_model, preemption_check_interval,
+                                   read_scalar, to_host, total_over_processes, unwrap, zero_scalar)
+from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, save_state, saving_gathered,
+                                      state_dict_for_save)
+from framework.backend.selection import check, has_xla, model_checkpointing, resolved_distributed, select_backend, strategy
+from framework.backend.topology import (data_parallel, is_fsdp2, is_tensor_parallel, needs_static_shapes, on_xla,
+                                        parameter_shards, shards_parameters, tensor_parallel_size)
+from framework.backend.tracing import Trace
+from framework.backend.xla_spmd import Mesh
+
+__all__ = [
+    "CompileWatch", "MemoryLayout", "Mesh", "Trace", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
+    "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "has_xla", "is_fsdp2", "is_tensor_parallel",
+    "held_bytes", "large_buffers_unmapped", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
+    "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "preemption_check_interval",
+    "read_scalar", "resolved_distributed", "reuse_large_buffers", "save_state", "saving_gathered", "select_backend", "shards_parameters",
+    "state_dict_for_save", "strategy", "strategy_name", "tensor_parallel_model", "tensor_parallel_size", "to_host",
+    "total_memory_bytes", "total_over_processes", "unwrap", "xla_stats", "zero_scalar",
+]

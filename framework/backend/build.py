@@ -1,0 +1,229 @@
+"""The Accelerator for the recipe and the launch: its plugins, and what this project sets in accelerate's state after
+construction (FSDP2 on CPU processes, HSDP's and tensor parallelism's meshes, XLA's patches)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Tuple
+
+import torch
+
+from framework.backend import xla_spmd
+from framework.backend.cpu import cpu_threads, reuse_large_buffers
+from framework.backend.launch import check_launch
+from framework.backend.selection import auto_means_cpu, check, on_cpu, resolved_distributed
+from framework.backend.topology import is_fsdp2, on_xla, tensor_parallel_size
+from framework.config import RunConfig
+from framework.errors import UserError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+def _plugins(cfg: RunConfig) -> dict:
+    """The Accelerator's plugin arguments: the compiler, and FSDP or DeepSpeed with the recipe's settings
+    (also under strategy auto, when the launch config set FSDP or DeepSpeed up)."""
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    plugins = {}
+    if cfg.train.compile:
+        plugins["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    d = resolved_distributed(cfg)
+    if d.strategy == "fsdp":
+        f = d.fsdp
+        wrap = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
+        # train.gradient_checkpointing under FSDP means FSDP's own activation checkpointing of each block.
+        checkpointing = f.activation_checkpointing or cfg.train.gradient_checkpointing
+        offload = f.offload_params
+        if offload and f.version == 2:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned (page-locked) host memory exists for transfers to an accelerator: CPU processes have none
+            # (pin_memory raised "Cannot access accelerator device"), and their shards are in host memory anyway.
+            offload = CPUOffloadPolicy(pin_memory=not on_cpu(cfg))
+        options = dict(fsdp_version=f.version, auto_wrap_policy=wrap[f.auto_wrap_policy],
+                       activation_checkpointing=checkpointing, cpu_offload=offload,
+                       cpu_ram_efficient_loading=f.cpu_ram_efficient_loading, min_num_params=f.min_num_params,
+                       state_dict_type=f"{f.state_dict.upper()}_STATE_DICT")
+        if f.version == 2:
+            options["reshard_after_forward"] = f.sharding_strategy == "FULL_SHARD"
+        else:
+            options["sharding_strategy"] = f.sharding_strategy
+        plugins["fsdp_plugin"] = FullyShardedDataParallelPlugin(**options)
+    elif d.strategy == "deepspeed":
+        z = d.deepspeed
+        plugins["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=z.zero_stage, offload_optimizer_device=z.offload_optimizer, offload_param_device=z.offload_params,
+            gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+            gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)
+    return plugins
+
+
+def fsdp2_on_cpu_processes(accelerator: Accelerator, plugin) -> bool:
+    """accelerate's own FSDP2 path on CPU processes (gloo): the one switch this project sets in accelerate's
+    state. Returns whether it was needed.
+
+    ``Accelerator(fsdp_plugin=...)`` makes the run ``DistributedType.FSDP`` only for the device kinds
+    ``AcceleratorState.__init__`` lists (MULTI_GPU, MULTI_XPU, MULTI_NPU, ...; accelerate 1.15); CPU processes
+    keep ``MULTI_CPU`` and the plugin is dropped: the run would train plain data parallel. Nothing else in that
+    path is device-bound: ``fsdp2_prepare_model`` calls torch's ``fully_shard`` over a device mesh of the run's
+    device type, the state dicts are DTensor's and torch.distributed.checkpoint's, and gloo has every collective
+    FSDP2 uses (all-gather, reduce-scatter, broadcast). So this does for MULTI_CPU exactly what
+    ``AcceleratorState`` does for the listed kinds: set the mixed-precision policy on the plugin, keep the
+    plugin, and say FSDP in both shared states. It changes nothing when accelerate already set FSDP up (on
+    GPUs, or a later accelerate that lists the CPU), and it runs before ``prepare`` reads any of it; the
+    Accelerator's remaining construction read the distributed type only for fp8 and fp16, which the CPU
+    refuses anyway. tests/test_fsdp.py checks each of these assumptions against the installed accelerate."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or plugin is None or plugin.fsdp_version != 2:
+        return False
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return True
+
+
+def _hybrid_shard(accelerator: Accelerator, replicas: int) -> None:
+    """HSDP: accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes / replicas), set
+    up as ``Accelerator(parallelism_config=...)`` does (its device mesh, then its own validation), but after the
+    FSDP2 switch: given to the constructor, its validation would see CPU processes as MULTI_CPU and refuse them.
+    ``prepare`` then shards each replica over the mesh's dp_shard dimension (``fsdp2_prepare_model``)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    processes = accelerator.num_processes
+    if processes % replicas:
+        raise UserError(f"distributed.fsdp.replicas: {replicas} does not divide the {processes} processes; "
+                        f"launch a multiple of {replicas} processes or change the key")
+    config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes // replicas)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)
+
+
+def _tensor_parallel(accelerator: Accelerator, size: int) -> None:
+    """accelerate's ParallelismConfig(tp_size=size), set up after construction as ``_hybrid_shard`` does: given to
+    the Accelerator, its validation (``_validate_accelerator``) refuses CPU processes by their distributed type
+    (MULTI_CPU is not among its "multi device" kinds), although nothing of TP is device-bound: DTensor's
+    collectives run over gloo. With the mesh set, ``prepare`` takes accelerate's TP path (``_prepare_tp``; the
+    model is not wrapped in DDP) and its data loaders give every process of the tp dimension the same batches.
+    The model itself is sharded by ``tensor_parallel_model``."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    processes = accelerator.num_processes
+    if size != processes:
+        raise UserError(f"distributed.tensor_parallel: {size}, but the launch started {processes} process(es); tensor "
+                        f"parallelism spans every process here: launch {size} processes or set the key to "
+                        f"{processes}")
+    config = ParallelismConfig(tp_size=size)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+
+
+def tensor_parallel_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model sharded by transformers' own tensor-parallel path: ``prepare_distribute_model`` (its device mesh
+    over the process group accelerate started) and ``maybe_distribute_model``, what ``from_pretrained(...,
+    tp_plan="auto")`` does after building the model; here after any loading, so a model built from a config
+    shards too. Each parameter is cut from the process's whole copy (``distribute_tensor(src_data_rank=None)``),
+    which is the same on every process (same seed, same checkpoint). Unchanged without tensor parallelism."""
+    size = tensor_parallel_size(accelerator)
+    if size == 1:
+        return model
+    from transformers.distributed import DistributedConfig
+
+    if not getattr(model, "tp_plan", None):
+        raise UserError(f"distributed.tensor_parallel: {type(model).__name__} has no tensor-parallel plan in "
+                        "transformers (Llama-style models have one: base_model_tp_plan); remove the key")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise UserError("distributed.tensor_parallel: the model ties its output layer to its embedding, which the "
+                        "plan shards as two parameters (the tie would break); set tie_word_embeddings: false in "
+                        "model.config, or remove the key")
+    try:
+        config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=size))
+        return type(model).maybe_distribute_model(model, config, mesh)
+    except ValueError as e:  # a size the plan cannot split (heads, key/value heads)
+        raise UserError(f"distributed.tensor_parallel: {str(e).splitlines()[0]}") from None
+
+
+def _process_group_kwargs(cfg: RunConfig) -> list:
+    """The process group's timeout, when the recipe sets one (``distributed.timeout_minutes``)."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    minutes = cfg.distributed.timeout_minutes
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=minutes))] if minutes else []
+
+
+def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
+    """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+    check(cfg)
+    mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
+    plugins = _plugins(cfg)
+    try:
+        accelerator = Accelerator(
+            cpu=cfg.backend == "cpu" or auto_means_cpu(cfg),
+            mixed_precision=cfg.precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=cfg.train.gradient_accumulation_steps,
+                # The loop consumes whole accumulation windows per epoch, so no partial window at the end.
+                sync_with_dataloader=False,
+            ),
+            # A seeded sampler whose order depends only on (seed, epoch): the same on every process and
+            # reproducible on resume.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # The loop steps the scheduler once per optimizer step, whatever the number of processes.
+            step_scheduler_with_optimizer=False,
+            log_with=cfg.report_to or None,
+            project_dir=cfg.output_dir,
+            kwargs_handlers=_process_group_kwargs(cfg),
+            **plugins,
+        )
+    except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
+        raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
+    fsdp2_on_cpu_processes(accelerator, plugins.get("fsdp_plugin"))
+    if is_fsdp2(accelerator) and cfg.distributed.fsdp.replicas > 1:
+        _hybrid_shard(accelerator, cfg.distributed.fsdp.replicas)
+    if cfg.distributed.tensor_parallel:
+        _tensor_parallel(accelerator, cfg.distributed.tensor_parallel)
+    check_launch(cfg, accelerator)
+    if on_xla(accelerator):
+        _masks_without_host_reads()
+        _xla_loaders_with_dataset()
+    elif accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(cfg)[0])
+        reuse_large_buffers()
+    return accelerator, mesh
+
+
+def _masks_without_host_reads() -> None:
+    """transformers reads the attention mask on the host (``padding_mask.all()``) to skip building it when
+    nothing is padded. On XLA that read is a host sync in the middle of every forward, cutting the step's
+    graph in two; register mask builders that always build the mask instead (same results)."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    def without_skips(build):
+        def build_always(*args, **kwargs):
+            kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+            return build(*args, **kwargs)
+
+        return build_always
+
+    AttentionMaskInterface.register("sdpa", without_skips(sdpa_mask))
+    AttentionMaskInterface.register("eager", without_skips(eager_mask))
+
+
+def _xla_loaders_with_dataset() -> None:
+    """accelerate's ``save_state``/``load_state`` read ``dataloader.dataset``, which its XLA loader wrapper
+    (``MpDeviceLoaderWrapper``, accelerate 1.15) lacks: every checkpoint on XLA raised AttributeError. The
+    wrapper gets the wrapped loader's dataset."""
+    from accelerate.data_loader import MpDeviceLoaderWrapper
+
+    if not hasattr(MpDeviceLoaderWrapper, "dataset"):
+        MpDeviceLoaderWrapper.dataset = property(lambda self: self._loader.dataset)
+

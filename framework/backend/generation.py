@@ -1,0 +1,59 @@
+"""Generating (a short sample, the harness) in the middle of training or after it, and back to training exactly."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from framework.backend import xla_spmd
+from framework.backend.ops import unwrap
+from framework.backend.topology import is_fsdp2, on_xla
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+@contextmanager
+def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> Iterator[torch.nn.Module]:
+    """The model to generate with, as a context: on exit the trained model is as training left it (on its device,
+    sharded as it was, in its training mode), so training can go on bitwise as if nothing had been generated.
+
+    - XLA: a copy on the host CPU. Generating token by token makes a new shape, so a new compiled graph, per token
+      (minutes even for a tiny model); moving the model itself there and back would make new parameter objects,
+      leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards.
+    - FSDP2: the weights its root holds outside the wrapped blocks (embeddings, final norm) are gathered by the
+      root's own forward, which a peft model's ``generate()`` bypasses (it calls the inner model's): gathered here
+      instead, once (each block still gathers its own), and resharded on exit.
+    - Tensor parallelism, DDP, one process: the model itself (without accelerate's wrappers).
+    Every process must enter it: sharded models gather collectively."""
+    if mesh.shard_parameters:
+        yield mesh.host_model(accelerator.unwrap_model(model))
+        return
+    inner = unwrap(accelerator, model, mesh)
+    if on_xla(accelerator):
+        yield _host_copy(inner)
+        return
+    training = inner.training
+    if is_fsdp2(accelerator):
+        inner.unshard()
+    try:
+        yield inner
+    finally:
+        if is_fsdp2(accelerator):
+            inner.reshard()
+        inner.train(training)
+
+
+def _host_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the model whose parameters and buffers are host copies of its own (shared ones stay shared): each
+    tensor is transferred once, and nothing is copied on the device."""
+    memo = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) not in memo:
+            host = tensor.detach().to("cpu")
+            memo[id(tensor)] = torch.nn.Parameter(host, tensor.requires_grad) if isinstance(
+                tensor, torch.nn.Parameter) else host
+    return copy.deepcopy(model, memo)

@@ -1,0 +1,70 @@
+"""Generating in the middle of training leaves training as it was: a tiny GPT-2 trained 6 steps with a greedy
+generation inside ``backend.generating`` after step 3 ends with the very weights (bitwise) of the same 6 steps
+without it. Dropout is on, so a model left in eval mode would train differently. ``fsdp``: on 2 CPU processes under
+FSDP2 (launched by tests/test_fsdp.py, as tests/scripts/fsdp_contract.py); ``xla``: one XLA device
+(tests/test_xla.py); ``plain``: one process."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def train(accelerator, generate_at: int) -> list:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from framework import backend
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+                                        eos_token_id=0, loss_type="ForCausalLM"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    data = torch.Generator().manual_seed(1 + accelerator.process_index)
+    for step in range(1, 7):
+        ids = torch.randint(0, 40, (2, 12), generator=data).to(accelerator.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == generate_at:
+            with backend.generating(accelerator, model, backend.Mesh()) as generator:
+                generator.eval()  # as a task's sample does; the context puts training mode back
+                with torch.no_grad():
+                    prompt = ids[:1, :4].to(generator.device)
+                out = generator.generate(input_ids=prompt, max_new_tokens=5, do_sample=False,
+                                             pad_token_id=0)
+                assert out.shape == (1, 9), out.shape
+    assert model.training
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().cpu().clone() for p in model.parameters()]
+
+
+def main() -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from framework import backend
+
+    if sys.argv[1] == "fsdp":
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="no_wrap",
+                                                cpu_ram_efficient_loading=False)
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        assert backend.fsdp2_on_cpu_processes(accelerator, plugin) and accelerator.num_processes == 2
+    elif sys.argv[1] == "xla":  # one XLA device (PJRT_DEVICE=CPU in the tests): generation runs on a host copy
+        accelerator = Accelerator()
+        assert backend.on_xla(accelerator)
+    else:
+        accelerator = Accelerator(cpu=True)
+    without = train(accelerator, generate_at=0)
+    with_generation = train(accelerator, generate_at=3)
+    assert all(torch.equal(a, b) for a, b in zip(without, with_generation)), "generating changed the training"
+    if accelerator.is_main_process:
+        print(f"generating mid-training kept the weights ({sys.argv[1]})")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
