@@ -14,7 +14,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from framework.config import HarnessConfig
 from framework.errors import UserError
+from framework.harness import Harness, format_result
+from framework.report import write_json
+from framework.tasks.causal_lm import _check_kind
 
 RESULT = "harness.json"
 
@@ -69,8 +73,6 @@ def load(folder: Path, kind: str):
     from accelerate import PartialState
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from framework.tasks.causal_lm import _check_kind
-
     try:
         if kind == "adapter":
             from peft import AutoPeftModelForCausalLM
@@ -95,9 +97,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         out = args.out or args.path / RESULT
         if out.exists() and not args.overwrite:
             raise UserError(f"{out} exists (an earlier evaluation); pass --out another file, or --overwrite")
-        from framework.config import HarnessConfig
-        from framework.harness import Harness, format_result
-
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         if not tasks:
             raise UserError("--tasks: name at least one lm-eval task, e.g. --tasks rt_sentiment")
@@ -109,8 +108,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    from framework.report import write_json
-
     write_json(out, {"model": str(folder), **result})
     print(format_result(result))
     print(f"wrote {out}")

@@ -16,6 +16,7 @@ import textwrap
 import typing
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
+from framework.config import RunConfig
 from framework.errors import UserError
 
 TOP = "top"  # how --help-keys names the keys outside any section (task, seed, output_dir, ...)
@@ -175,8 +176,6 @@ def _wrap(text: str, indent: str) -> List[str]:
 def recipe_sections() -> List[Section]:
     """The sections of a recipe: RunConfig's (tasks that define their own section outside config.py add their
     ``(name, dataclass)`` pairs here)."""
-    from framework.config import RunConfig
-
     return sections(RunConfig)
 
 
