@@ -457,6 +457,11 @@ class RunConfig:
     environment, written out instead of the values."""
 
 
+def core_keys() -> List[str]:
+    """The top-level recipe keys and sections that are not a task's own section."""
+    return [f.name for f in _schema_fields(RunConfig)]
+
+
 def _schema_fields(cls: type) -> list:
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
@@ -489,6 +494,11 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
         raise UserError(f"{key or 'recipe'}: cannot resolve its interpolation ({reason}); write ${{other.key}} or "
                         "${oc.env:VARIABLE} with a key or variable that exists") from None
     data.pop("extends", None)
+    task = data.get("task")
+    if isinstance(task, str) and ":" in task:
+        from framework.tasks import get_task
+
+        get_task(task)  # a task outside the framework: loaded and registered (its section joins the schema), or refused
     cfg, problems = _build(RunConfig, data, "")
     cfg.env_templates = _env_templates(flatten(OmegaConf.to_container(raw, resolve=False)), flatten(data))
     problems += _cross_checks(cfg) + _unread_keys(cfg.task, data)
@@ -745,7 +755,7 @@ def _check_bounds(value: Any, bounds: Any) -> str:
 def _cross_checks(cfg: RunConfig) -> List[str]:
     """Rules that involve more than one key; the task checks its own keys."""
     from framework import adapters
-    from framework.tasks import TASKS, get_task  # the tasks read this module's schema
+    from framework.tasks import get_task, registered  # the tasks read this module's schema
 
     problems = []
     d = cfg.data
@@ -778,8 +788,8 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
         problems.append("set model.name_or_path (a pretrained model) or model.config (a model from scratch), not both; "
                         "without --config the default recipe sets model.name_or_path: start from --config "
                         "recipes/causal_lm.yaml, or add model.name_or_path=null")
-    if cfg.task not in TASKS:
-        problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(TASKS)}")
+    if cfg.task not in registered():
+        problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(registered())}")
     else:
         task = get_task(cfg.task)
         problems += task.check(cfg)
@@ -808,7 +818,7 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
             problems.append(f"report_to: {name!r} is not a tracker; use any of {', '.join(TRACKER_PACKAGES)}")
     harness = cfg.eval.harness
     if harness is not None:
-        if cfg.task in TASKS and not get_task(cfg.task).harness:
+        if cfg.task in registered() and not get_task(cfg.task).harness:
             problems.append(f"eval.harness: lm-evaluation-harness scores causal language models, not {cfg.task}; "
                             "remove eval.harness")
         if not harness.tasks:
@@ -839,9 +849,9 @@ def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:
     """Task-specific keys (``Task.reads`` of any task) that the recipe sets, to something else than their
     default, but its task does not read: a setting that would be silently ignored. (A key at its default is
     let through: ``--print-config`` and config.yaml write every key, and must load again.)"""
-    from framework.tasks import TASKS, get_task, task_keys
+    from framework.tasks import get_task, registered, task_keys
 
-    if task_name not in TASKS:
+    if task_name not in registered():
         return []
     reads = get_task(task_name).reads
     defaults = flatten(dataclasses.asdict(RunConfig()))

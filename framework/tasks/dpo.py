@@ -34,6 +34,7 @@ from datasets.fingerprint import Hasher
 
 from framework import adapters, chat, data, losses
 from framework.errors import UserError
+from framework.tasks import register
 from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
 
@@ -87,8 +88,8 @@ def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
             "logps_rejected": rejected.detach()}
 
 
+@register("dpo")
 class DPO(CausalLM):
-    name = "dpo"
     metric = "reward_accuracy"
     sequences_per_example = 2
     reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt",
@@ -358,5 +359,3 @@ def _short(value) -> str:
     text = _content(value) if isinstance(value, (str, list)) else str(value)
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
-
-TASK = DPO()

@@ -30,7 +30,7 @@ import torch
 
 from framework import chat, data
 from framework.errors import UserError
-from framework.tasks import language
+from framework.tasks import language, register
 from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config, packing
 from framework.tasks.language import IGNORE
 
@@ -39,8 +39,8 @@ KEPT, TRUNCATED, TOO_LONG, NO_ASSISTANT, NOTHING_LEFT = range(5)
 COUNTS = "sft_counts"
 
 
+@register("sft")
 class Sft(CausalLM):
-    name = "sft"
     pipeline = "text-generation"
     reads = ("model.config_overrides", "data.block_size", "data.packing", "data.messages_column", "data.prompt_column",
              "data.completion_column", "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness",
@@ -288,5 +288,3 @@ def answer_outputs(correct: torch.Tensor, targets: torch.Tensor) -> Dict[str, to
     base = torch.cummax(torch.where(starts, errors - wrong, torch.zeros_like(errors)), dim=1).values
     return {"answers": ends.sum(dim=1), "answers_correct": (ends & (errors == base)).sum(dim=1)}
 
-
-TASK = Sft()

@@ -17,13 +17,13 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, Task
+from framework.tasks import MODEL_ERRORS, Task, register
 
 LABELS = "labels"  # the column transformers models read the targets from
 
 
+@register("text_classification")
 class TextClassification(Task):
-    name = "text_classification"
     pipeline = "text-classification"
     metric = "accuracy"
     reads = ("data.text_pair_column", "data.label_column", "data.labels", "data.max_length")
@@ -162,5 +162,3 @@ def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, d) -> Li
         return [str(i) for i in range(max(values) + 1)]
     return sorted(str(v) for v in values)
 
-
-TASK = TextClassification()
