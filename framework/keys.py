@@ -173,11 +173,11 @@ def _wrap(text: str, indent: str) -> List[str]:
 
 
 def recipe_sections() -> List[Section]:
-    """The sections of a recipe: RunConfig's (tasks that define their own section outside config.py add their
-    ``(name, dataclass)`` pairs here)."""
+    """The sections of a recipe: RunConfig's, then each registered task's own (``Task.options``)."""
     from framework.config import RunConfig
+    from framework.tasks import sections as task_sections
 
-    return sections(RunConfig)
+    return sections(RunConfig, tuple(task_sections().items()))
 
 
 def page() -> str:

@@ -5,9 +5,11 @@ one module each in this package, register when it is imported; a recipe may also
 as ``task: path/to/file.py:ClassName`` or ``task: package.module:ClassName`` (``get_task`` loads and registers it).
 The loop, the devices, checkpoints and reports know nothing else about it. A task owns:
 
-- its recipe keys: ``reads``, the task-specific keys (dotted, or whole sections) it reads: a key that another
-  task reads and this one does not is refused when a recipe sets it, instead of being silently ignored;
-  ``check(cfg)`` returns the problems of the keys it reads (or refuses), like the config core;
+- its recipe keys: ``options``, the ``(section, dataclass)`` of its own keys (``sft``: SftConfig), which
+  framework/config.py adds to the schema; ``reads``, the task-specific keys (dotted, or whole sections, its own
+  included) it reads: a key that another task reads and this one does not is refused when a recipe sets it,
+  instead of being silently ignored; ``check(cfg)`` returns the problems of the keys it reads (or refuses),
+  like the config core;
 - model loading: ``load(cfg, raw)`` -> (model, tokenizer), pretrained (``model.name_or_path``) or from a
   config (``model.config``); ``pipeline``: what the saved ``model/`` loads as in ``transformers.pipeline``;
 - data preparation: ``columns(cfg)`` (the columns its rows need) and ``keep_row`` (which rows are usable),
@@ -57,7 +59,8 @@ class Task:
     reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
     harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
-    options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of this task's own keys
+    options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
+    moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
 
     def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
         """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
