@@ -37,6 +37,7 @@ DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model'
 @register("causal_lm")
 class CausalLM(LanguageModel):
     pipeline = "text-generation"
+    peft_task_type = "CAUSAL_LM"
     architectures = "gpt2, llama, ..."
     harness = True
     reads = ("model.config_overrides", "data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens",
