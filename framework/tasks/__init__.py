@@ -23,9 +23,12 @@ The loop, the devices, checkpoints and reports know nothing else about it. A tas
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
 - ``notes(cfg, train_ds, eval_ds)``: lines for the plan about the prepared data (rows it dropped or truncated);
 - ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
+  ``report_sections(output_dir, summary, plots_dir)``: its own sections of report.html (classification's per-class
+  table and confusion matrix);
 - ``for_run(model, accelerator, cfg)``: the task as one run uses it: a copy holding the recipe's settings of its
   loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
+- ``peft_task_type``: peft's task type for adapters on its model (``CAUSAL_LM``, ``SEQ_CLS``);
 - ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
@@ -36,7 +39,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import numpy as np
@@ -50,6 +53,16 @@ from framework.errors import UserError
 MODEL_ERRORS = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
+@dataclasses.dataclass
+class ReportSection:
+    """A section a task adds to report.html: a table, and the plots it drew for it."""
+
+    title: str
+    header: Sequence[str]
+    rows: List[Sequence]
+    plots: List[Path] = dataclasses.field(default_factory=list)
+
+
 class Task:
     name: str
     pipeline: str  # what model/ loads as in transformers.pipeline()
@@ -60,6 +73,9 @@ class Task:
     harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
     options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
+    # peft's task type for its model (LoRA): what the wrapped model's forward accepts and, for classification, the
+    # new head (``classifier`` or ``score``) kept trainable; None: peft's default.
+    peft_task_type: Optional[str] = None
     moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
 
     def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
@@ -133,6 +149,11 @@ class Task:
     def sample(self, model: torch.nn.Module, tokenizer, cfg, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
         """Something to read at the end of a run (a generation), logged and written into summary.json."""
         return None
+
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Sections of report.html from a finished run (its summary.json, ``summary``; the files in
+        ``output_dir``), their plots drawn into ``plots_dir``."""
+        return []
 
 
 _REGISTRY: Dict[str, Task] = {}
