@@ -15,7 +15,7 @@ cosine schedule with 5% warmup, clipping at 1.0) trained for the same number of 
   model and generates its 24-token sample (in total wall, not in the steady window);
 - raw: ``compare_lm.py --side raw``, a minimal hand-written accelerate loop, nanoGPT-style: the framework's
   packed blocks (``load_model_and_data``) in the same seeded order, the framework's forward
-  (``causal_lm.TASK.forward``: the 4D block-diagonal document mask and restarting position_ids),
+  (``get_task("causal_lm").forward``: the 4D block-diagonal document mask and restarting position_ids),
   the summed token cross-entropy divided by the step's target count, backward, clip, step, schedule,
   zero_grad. Nothing after the last step;
 - Trainer: ``compare_lm.py --side Trainer``, ``transformers.Trainer`` as a user gets it:
@@ -83,7 +83,10 @@ def raw_side(cfg, document_mask: bool) -> None:
     from transformers import get_scheduler
 
     from common import adamw, load_data_and_model
-    from framework.tasks.causal_lm import TASK, PackedCollator
+    from framework.tasks import get_task
+    from framework.tasks.causal_lm import PackedCollator
+
+    task = get_task("causal_lm")
 
     t, o = cfg.train, cfg.optim
     # The seedable sampler, as the framework and the Trainer: the same shuffle on all three sides.
@@ -106,7 +109,7 @@ def raw_side(cfg, document_mask: bool) -> None:
         train_dl.set_epoch(epoch)
         for batch in train_dl:
             if document_mask:
-                logits, targets = TASK.forward(model, batch)  # full logits, as a hand-written loop has them
+                logits, targets = task.forward(model, batch)  # full logits, as a hand-written loop has them
             else:  # plain causal attention over the whole block (an all-ones 2D mask, as the Trainer's collator)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
                 targets = batch["labels"][:, 1:]

@@ -19,9 +19,6 @@ import torch
 
 from framework.errors import UserError
 
-# peft's task types, for the tasks it has one for: they decide what the wrapped model's forward accepts and,
-# for classification, keep the new head (``classifier`` or ``score``) trainable.
-TASK_TYPES = {"text_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM", "sft": "CAUSAL_LM", "dpo": "CAUSAL_LM"}
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
 NO_4BIT_ON_XLA = ("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
                   "quantize on XLA (peft.quantize=null)")
@@ -54,6 +51,8 @@ def apply(model: torch.nn.Module, cfg, device_type: str) -> torch.nn.Module:
         return model
     from peft import LoraConfig, get_peft_model
 
+    from framework.tasks import get_task  # the tasks use this module
+
     names = [name for name, _ in model.named_modules()]
     for wanted in p.modules_to_save:
         if not any(name == wanted or name.endswith("." + wanted) for name in names):
@@ -65,7 +64,7 @@ def apply(model: torch.nn.Module, cfg, device_type: str) -> torch.nn.Module:
         _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
     try:
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
-                            modules_to_save=list(p.modules_to_save) or None, task_type=TASK_TYPES.get(cfg.task))
+                            modules_to_save=list(p.modules_to_save) or None, task_type=get_task(cfg.task).peft_task_type)
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,16 +101,9 @@ class DataConfig:
     """Optional second text column, for sentence-pair tasks."""
     label_column: str = "label"
     """Column holding the label: strings (mapped to ids in sorted order) or integers."""
-    prompt_column: str = "prompt"
-    """Post-training: the column holding the prompt (a string, or a conversation: a list of {role, content})."""
-    completion_column: str = "completion"
-    """sft: the column holding the completion of ``prompt_column`` (a string or a conversation)."""
-    chosen_column: str = "chosen"
-    """dpo: the column holding the preferred completion of ``prompt_column`` (a string or a conversation)."""
-    rejected_column: str = "rejected"
-    """dpo: the column holding the dispreferred completion of ``prompt_column`` (a string or a conversation)."""
     chat_template: Optional[str] = None
-    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
+    """Post-training (sft, dpo): the chat template: a jinja file, or a built-in name (chatml); default the
+    tokenizer's own."""
     labels: Optional[List[str]] = None
     """Keep only rows whose label is one of these; their order gives the label ids."""
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"
@@ -120,8 +115,8 @@ class DataConfig:
     per row, truncated to ``block_size`` and padded."""
     block_size: Optional[int] = _bounded(None, ge=8)
     """Language models: tokens per row; default the model's positions, at most 1024."""
-    messages_column: str = "messages"
-    """sft: the column holding conversations (a list of {role, content}, or its JSON text as a csv holds it)."""
+    chat_template: Optional[str] = None
+    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
     mlm_probability: float = _bounded(0.15, gt=0.0, lt=1.0)
     """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
@@ -224,21 +219,6 @@ class EvalConfig:
     """Causal language models: the length of that generation."""
     harness: Optional[HarnessConfig] = None
     """Causal language models: lm-evaluation-harness tasks to score the model on (see HarnessConfig); null: none."""
-
-
-@dataclass
-class SftConfig:
-    """Supervised fine-tuning (``task: sft``): which tokens are trained on, and what becomes of a conversation
-    longer than ``data.block_size``."""
-
-    train_on: Literal["assistant", "completion", "all"] = "assistant"
-    """assistant: the tokens each assistant message generates in ``data.messages_column`` conversations (after
-    its role header, through its end-of-turn text), as TRL's ``assistant_only_loss``; completion: rows of
-    ``data.prompt_column`` + ``data.completion_column``, trained on the completion only (TRL's
-    ``completion_only_loss``); all: every token of the conversations."""
-    overflow: Literal["truncate", "drop"] = "truncate"
-    """A conversation longer than ``data.block_size`` tokens: truncate (keep its first block_size tokens; one
-    left with no token to train on is dropped) or drop it. Either way the plan counts them."""
 
 
 @dataclass
@@ -395,30 +375,11 @@ class PeftConfig:
 
 
 @dataclass
-class DpoConfig:
-    """Preference tuning (``task: dpo``): the policy learns to prefer ``chosen`` over ``rejected`` completions."""
-
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
-    """sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)), log-ratios
-    against the reference model; ipo: IPO (Azar et al. 2023), the squared distance of the per-token log-ratio
-    margin from 1/(2 beta), as TRL computes it; simpo: SimPO (Meng et al. 2024), reference-free,
-    -log sigmoid(beta * (mean chosen log-prob - mean rejected log-prob) - gamma), with no reference model at all."""
-    beta: float = _bounded(0.1, gt=0.0)
-    """How far the policy may move from the reference (sigmoid, ipo: the KL penalty's weight; ipo: the margin
-    target is 1/(2 beta)); simpo: the reward scale (SimPO's paper uses 2 to 10)."""
-    simpo_gamma: float = _bounded(0.5, ge=0.0)
-    """simpo: the target reward margin gamma (TRL's simpo_gamma; its paper's gamma/beta is 0.5 with beta 2)."""
-    precompute_reference: bool = False
-    """sigmoid, ipo: compute the reference model's log-probabilities of every pair once, before training (on the
-    host, cached with the tokenized data), so that training holds one model and runs one forward per step.
-    false: a frozen copy of the starting weights (with ``peft``: the same model with its adapter off) runs
-    beside the policy at every step."""
-
-
-@dataclass
 class RunConfig:
     task: str = "text_classification"
-    """What is trained: text_classification, causal_lm, masked_lm, sft or dpo (``framework/tasks/``, one module each)."""
+    """What is trained: text_classification, causal_lm, masked_lm, sft or dpo (``framework/tasks/``, one module each),
+    or a Task subclass of your own as ``path/to/file.py:ClassName`` or ``package.module:ClassName``
+    (docs/adding-a-task.md). A task with options of its own reads them from its section (``sft``, ``dpo``)."""
     seed: int = _bounded(42, ge=0, lt=2**32)
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
@@ -442,14 +403,29 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    sft: SftConfig = field(default_factory=SftConfig)
-    dpo: DpoConfig = field(default_factory=DpoConfig)
-    """Preference tuning's keys (``task: dpo``)."""
     peft: Optional[PeftConfig] = None
     """Adapters instead of full fine-tuning (see PeftConfig); null: every weight trains."""
     env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})
     """Not a recipe key: dotted key -> the recipe's own text (``${oc.env:...}``) for values that came from the
     environment, written out instead of the values."""
+
+
+def schema() -> type:
+    """The recipe's schema: RunConfig with one more section for each registered task's options (``Task.options``)."""
+    from framework.tasks import sections  # the tasks read this module's schema
+
+    return _with_sections(tuple(sections().items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _with_sections(extra: tuple) -> type:
+    return dataclasses.make_dataclass("RunConfig", [(name, cls, field(default_factory=cls)) for name, cls in extra],
+                                      bases=(RunConfig,))
+
+
+def core_keys() -> List[str]:
+    """The top-level recipe keys and sections that are not a task's own section."""
+    return [f.name for f in _schema_fields(RunConfig)]
 
 
 def _schema_fields(cls: type) -> list:
@@ -484,7 +460,14 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
         raise UserError(f"{key or 'recipe'}: cannot resolve its interpolation ({reason}); write ${{other.key}} or "
                         "${oc.env:VARIABLE} with a key or variable that exists") from None
     data.pop("extends", None)
-    cfg, problems = _build(RunConfig, data, "")
+    task = data.get("task")
+    if isinstance(task, str) and ":" in task:
+        from framework.tasks import get_task
+
+        get_task(task)  # a task outside the framework: loaded and registered (its section joins the schema), or refused
+    problems = _moved_keys(data)
+    cfg, built = _build(schema(), data, "")
+    problems += built
     cfg.env_templates = _env_templates(flatten(OmegaConf.to_container(raw, resolve=False)), flatten(data))
     problems += _cross_checks(cfg) + _unread_keys(cfg.task, data)
     if problems:
@@ -538,7 +521,7 @@ def resume_differences(saved: Dict[str, Any], cfg: RunConfig) -> tuple[List[str]
     """Compare the recipe a checkpoint was trained with (``to_dict`` output) with ``cfg``. Returns
     (differences that change the training trajectory, differences that cannot), each 'key: old -> new'.
     Keys the saved recipe lacks (added to the schema since) count as their defaults."""
-    old = {**flatten(to_dict(RunConfig())), **flatten(saved)}
+    old = {**flatten(to_dict(schema()())), **_moved_saved_keys(flatten(saved))}
     new = flatten(to_dict(cfg))
     free = RESUME_FREE_KEYS + (RESUME_FREE_WITHOUT_METRIC if cfg.eval.metric is None else ())
     changed, harmless = [], []
@@ -626,7 +609,7 @@ def _suggest(key: str, prefix: str, cls: type) -> str:
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
     # The key may belong to another section: lr at the top level means optim.lr.
-    everywhere = _all_keys(RunConfig)
+    everywhere = _all_keys(schema())
     same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
     close = same_name or difflib.get_close_matches(key, [k.rsplit(".", 1)[-1] for k in everywhere], n=1)
     if close:
@@ -740,7 +723,7 @@ def _check_bounds(value: Any, bounds: Any) -> str:
 def _cross_checks(cfg: RunConfig) -> List[str]:
     """Rules that involve more than one key; the task checks its own keys."""
     from framework import adapters
-    from framework.tasks import TASKS, get_task  # the tasks read this module's schema
+    from framework.tasks import get_task, registered  # the tasks read this module's schema
 
     problems = []
     d = cfg.data
@@ -773,8 +756,8 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
         problems.append("set model.name_or_path (a pretrained model) or model.config (a model from scratch), not both; "
                         "without --config the default recipe sets model.name_or_path: start from --config "
                         "recipes/causal_lm.yaml, or add model.name_or_path=null")
-    if cfg.task not in TASKS:
-        problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(TASKS)}")
+    if cfg.task not in registered():
+        problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(registered())}")
     else:
         task = get_task(cfg.task)
         problems += task.check(cfg)
@@ -801,7 +784,7 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
             problems.append(f"report_to: {name!r} is not a tracker; use any of {', '.join(TRACKER_PACKAGES)}")
     harness = cfg.eval.harness
     if harness is not None:
-        if cfg.task in TASKS and not get_task(cfg.task).harness:
+        if cfg.task in registered() and not get_task(cfg.task).harness:
             problems.append(f"eval.harness: lm-evaluation-harness scores causal language models, not {cfg.task}; "
                             "remove eval.harness")
         if not harness.tasks:
@@ -832,12 +815,12 @@ def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:
     """Task-specific keys (``Task.reads`` of any task) that the recipe sets, to something else than their
     default, but its task does not read: a setting that would be silently ignored. (A key at its default is
     let through: ``--print-config`` and config.yaml write every key, and must load again.)"""
-    from framework.tasks import TASKS, get_task, task_keys
+    from framework.tasks import get_task, registered, task_keys
 
-    if task_name not in TASKS:
+    if task_name not in registered():
         return []
     reads = get_task(task_name).reads
-    defaults = flatten(dataclasses.asdict(RunConfig()))
+    defaults = flatten(dataclasses.asdict(schema()()))
     present = {key for key, value in flatten(data).items() if value is not None and value != defaults.get(key)}
     problems = []
     for key in task_keys():
@@ -846,6 +829,43 @@ def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:
         problems.append(f"{key}: {task_name} does not read it (it reads {', '.join(reads) or 'none of these keys'}); "
                         "remove it")
     return problems
+
+
+def _moved_keys(data: Dict[str, Any]) -> List[str]:
+    """Keys the recipe's task took from ``data`` into its own section (``Task.moved_from_data``), still read under
+    their old name, with a note on stderr; giving both names different values is a problem."""
+    from framework.tasks import get_task, registered
+
+    name, old = data.get("task", RunConfig.task), data.get("data")
+    if not isinstance(name, str) or name not in registered() or not isinstance(old, dict):
+        return []
+    task, problems = get_task(name), []
+    for key in [key for key in task.moved_from_data if key in old]:
+        section = task.options[0]
+        new = data.setdefault(section, {})
+        if not isinstance(new, dict):
+            continue  # the schema names a section that is not a mapping
+        value = old.pop(key)
+        if key in new and new[key] != value:
+            problems.append(f"data.{key} is now {section}.{key}, and the recipe sets both ({_show(value)} and "
+                            f"{_show(new[key])}); keep {section}.{key} only")
+            continue
+        new[key] = value
+        print(f"note: data.{key} is now {section}.{key}; write it there", file=sys.stderr)
+    return problems
+
+
+def _moved_saved_keys(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """A flattened recipe saved before the tasks' keys moved into their sections, as it reads now: its task's
+    moved keys under their new names, every task's old ``data.*`` names dropped."""
+    from framework.tasks import get_task, registered
+
+    tasks = [get_task(name) for name in registered()]
+    own = [t for t in tasks if t.name == saved.get("task")]
+    moved = {f"{t.options[0]}.{key}": saved[f"data.{key}"]
+             for t in own for key in t.moved_from_data if f"data.{key}" in saved}
+    old = {f"data.{key}" for t in tasks for key in t.moved_from_data}
+    return {**{k: v for k, v in saved.items() if k not in old}, **moved}
 
 
 def _show(value: Any) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from framework.config import RunConfig
 from framework.errors import UserError
+from framework.tasks import sections as task_sections
 
 TOP = "top"  # how --help-keys names the keys outside any section (task, seed, output_dir, ...)
 WIDTH = 110
@@ -174,9 +175,8 @@ def _wrap(text: str, indent: str) -> List[str]:
 
 
 def recipe_sections() -> List[Section]:
-    """The sections of a recipe: RunConfig's (tasks that define their own section outside config.py add their
-    ``(name, dataclass)`` pairs here)."""
-    return sections(RunConfig)
+    """The sections of a recipe: RunConfig's, then each registered task's own (``Task.options``)."""
+    return sections(RunConfig, tuple(task_sections().items()))
 
 
 def page() -> str:

@@ -268,15 +268,30 @@ def write_report(output_dir: Path, live: Optional[Dict[str, object]] = None) -> 
     harness_curve = plots.harness(records, folder / "harness.png")
     if harness_curve:
         images.append(("harness", harness_curve))
-    matrix = ((summary or {}).get("eval") or {}).get("confusion_matrix")
-    if matrix:
-        images.append(("confusion", plots.confusion(matrix, class_names(output_dir, len(matrix)),
-                                                    folder / "confusion.png")))
-    write_text(output_dir / PAGE, _page(output_dir, records, summary, facts, images))
+    sections = _task_sections(output_dir, summary, folder)
+    write_text(output_dir / PAGE, _page(output_dir, records, summary, facts, images, sections))
     return output_dir / PAGE
 
 
-def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts: dict, images: list) -> str:
+def _task_sections(output_dir: Path, summary: Optional[dict], folder: Path) -> list:
+    """The sections a finished run's task adds (``Task.report_sections``: classification's per-class figures)."""
+    config = output_dir / "config.yaml"
+    if not summary or not config.exists():
+        return []
+    import yaml
+
+    from framework.errors import UserError
+    from framework.tasks import get_task
+
+    try:
+        task = get_task(str((yaml.safe_load(config.read_text()) or {}).get("task")))
+    except UserError:  # a task of the user's that cannot be loaded from here
+        return []
+    return task.report_sections(output_dir, summary, folder)
+
+
+def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts: dict, images: list,
+          sections: list) -> str:
     plan = facts.get("plan") or {}
     total = plan.get("total_steps")
     if summary:
@@ -311,7 +326,9 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
         parts += ["<h2>Memory per device</h2>", _table(rows, ["part", "plan (estimate)", "measured"]),
                   f"<img src='{PLOTS}/memory.png' alt='memory'>"]
     parts += _harness_section(summary, images)
-    parts += _classes_section(output_dir, summary, images)
+    for section in sections:
+        parts += [f"<h2>{html.escape(section.title)}</h2>", _table(section.rows, section.header)]
+        parts += [f"<img src='{PLOTS}/{path.name}' alt='{html.escape(section.title)}'>" for path in section.plots]
     if summary and summary.get("sample"):
         parts += ["<h2>Sample</h2>", _table([(summary["sample"]["prompt"], summary["sample"]["generated"])],
                                             ["prompt", "generated"])]
@@ -321,13 +338,6 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
     body = "\n".join(parts)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(output_dir.name)}</title>"
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
-
-
-def class_names(output_dir: Path, count: int) -> List[str]:
-    """Class id -> name, from the saved model's ``id2label`` (the ids themselves where it has none)."""
-    config = _read_json(output_dir / "model" / "config.json") or {}
-    names = config.get("id2label") or {}
-    return [str(names.get(str(i), i)) for i in range(count)]
 
 
 def _harness_section(summary: Optional[dict], images: list) -> List[str]:
@@ -342,18 +352,6 @@ def _harness_section(summary: Optional[dict], images: list) -> List[str]:
              f"limit {_fmt(result['limit'])}, lm-eval {html.escape(str(result['lm_eval']))}</p>",
              _table(rows, ["task", *metrics])]
     parts += [f"<img src='{PLOTS}/{path.name}' alt='harness'>" for name, path in images if name == "harness"]
-    return parts
-
-
-def _classes_section(output_dir: Path, summary: Optional[dict], images: list) -> List[str]:
-    """Classification: precision, recall and F1 per class, and the confusion matrix."""
-    per_class = ((summary or {}).get("eval") or {}).get("per_class")
-    if not per_class:
-        return []
-    names = class_names(output_dir, len(per_class))
-    rows = [(names[int(c)], v["precision"], v["recall"], v["f1"], v["support"]) for c, v in per_class.items()]
-    parts = ["<h2>Classes (eval)</h2>", _table(rows, ["class", "precision", "recall", "f1", "support"])]
-    parts += [f"<img src='{PLOTS}/{path.name}' alt='confusion matrix'>" for name, path in images if name == "confusion"]
     return parts
 
 

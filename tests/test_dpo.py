@@ -113,10 +113,11 @@ def ours(tokenizer, policy, reference, batch_or_rows, **dpo):
     """Our per-pair outputs and metrics: from raw rows (prepared and collated by the task), or from a batch."""
     import datasets
 
-    from framework.config import DataConfig, DpoConfig, RunConfig
+    from framework.config import DataConfig, schema
+    from framework.tasks.dpo import DpoConfig
     from framework.tasks.dpo import DPO
 
-    cfg = RunConfig(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(**dpo))
+    cfg = schema()(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(**dpo))
     task = DPO(cfg.dpo, reference)
     if isinstance(batch_or_rows, list):
         features = task.prepare(datasets.Dataset.from_list(batch_or_rows), tokenizer, policy, cfg)
@@ -199,14 +200,15 @@ def test_chunked_log_probabilities_equal_full_logits(loss):
     tied to the embeddings) give the full logits' loss and gradients within 1e-6 relative (fp32)."""
     import datasets
 
-    from framework.config import DataConfig, DpoConfig, RunConfig
+    from framework.config import DataConfig, schema
+    from framework.tasks.dpo import DpoConfig
     from framework import losses
     from framework.tasks.dpo import DPO
     from test_losses import grads, relative, worst_gradient
 
     tokenizer, policy, reference = gpt2_models()
     assert losses.output_head(policy) is policy.lm_head  # the chunked path is taken
-    cfg = RunConfig(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(loss=loss, beta=0.3))
+    cfg = schema()(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(loss=loss, beta=0.3))
     full = DPO(cfg.dpo, None if loss == "simpo" else reference)
     features = full.prepare(datasets.Dataset.from_list(ROWS), tokenizer, policy, cfg)
     batch = full.collator(tokenizer, cfg, None)(list(features))
@@ -345,11 +347,11 @@ def bad_rows(case: str):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("equal", "data.chosen_column: the row with prompt 'review : "),
-    ("empty", "data.chosen_column: the row with prompt 'review : "),
-    ("missing", "data.rejected_column: column 'rejected' is not in data.train_file"),
+    ("equal", "dpo.chosen_column: the row with prompt 'review : "),
+    ("empty", "dpo.chosen_column: the row with prompt 'review : "),
+    ("missing", "dpo.rejected_column: column 'rejected' is not in data.train_file"),
     ("conversation", "data.chat_template: the tokenizer has no chat template of its own"),
-    ("mixed", "data.prompt_column: the row with prompt 'review : "),
+    ("mixed", "dpo.prompt_column: the row with prompt 'review : "),
 ])
 def test_bad_pairs_are_refused_naming_the_key(hf_home, pair_tokenizer, tmp_path, capsys, case, message):
     data = write_jsonl(tmp_path / "bad.jsonl", bad_rows(case))

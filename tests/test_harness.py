@@ -222,12 +222,14 @@ def test_per_class_figures_and_confusion_matrix_equal_scikit_learn():
     per class, and the macro F1 over the classes present, as scikit-learn computes them."""
     from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
 
-    from framework.tasks.text_classification import TASK as CLASSIFICATION
+    from framework.tasks import get_task
+
+    classification = get_task("text_classification")
 
     rng = np.random.default_rng(0)
     labels = rng.choice([0, 1, 3], size=200)
     preds = np.where(rng.random(200) < 0.6, labels, rng.choice([0, 2, 3], size=200))
-    figures = CLASSIFICATION.metrics({"predictions": preds, "labels": labels, "loss": rng.random(200)})
+    figures = classification.metrics({"predictions": preds, "labels": labels, "loss": rng.random(200)})
     classes = [0, 1, 2, 3]
     assert figures["confusion_matrix"] == confusion_matrix(labels, preds, labels=classes).tolist()
     precision, recall, f1, support = precision_recall_fscore_support(labels, preds, labels=classes, zero_division=0)

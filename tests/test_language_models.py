@@ -69,13 +69,14 @@ def segments(batch):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_packed_logits_and_loss_equal_each_document_alone(kind):
-    from framework.tasks import language
-    from framework.tasks.causal_lm import TASK
+    from framework.tasks import get_task, language
+
+    task = get_task("causal_lm")
 
     model, batch = tiny_model(kind), packed_batch()
     assert batch["position_ids"].shape == (3, 32)  # 99 tokens with EOS-less docs: 3 blocks, 3 tokens dropped
     with torch.no_grad():
-        logits, targets = TASK.forward(model, batch)
+        logits, targets = task.forward(model, batch)
         naive = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[:, :-1]
         worst, naive_worst, per_segment_loss = 0.0, 0.0, torch.tensor(0.0)
         for row, a, b in segments(batch):

@@ -142,10 +142,10 @@ def test_lora_on_the_head_and_bf16_autocast():
 def test_packed_batch_through_the_task_equals_transformers():
     """The causal LM task's packed batch (4D document mask, restarting positions, no target at a segment's
     first token): its chunked loss over its target count equals transformers' loss with the batch's labels."""
-    from framework.tasks.causal_lm import TASK
+    from framework.tasks import get_task
 
+    task = get_task("causal_lm").with_loss(_Recipe(), static_shapes=True)
     model, packed = build("llama"), packed_batch()
-    task = TASK.with_loss(_Recipe(), static_shapes=True)
     inputs, _ = task.inputs(model, packed)
     reference = model(**inputs, labels=packed["labels"]).loss
     reference.backward()

@@ -195,12 +195,14 @@ def test_packed_logits_equal_each_document_alone_on_xla(kind):
     import torch_xla
 
     from test_language_models import packed_batch, segments, tiny_model
-    from framework.tasks.causal_lm import TASK
+    from framework.tasks import get_task
+
+    task = get_task("causal_lm")
 
     xla = torch_xla.device()
     model, batch = tiny_model(kind).to(xla), packed_batch()
     with torch.no_grad():
-        logits = TASK.forward(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
+        logits = task.forward(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
         worst = 0.0
         for row, a, b in segments(batch):
             alone = model(input_ids=batch["input_ids"][row:row + 1, a:b].to(xla)).logits[0].cpu()

@@ -1,11 +1,15 @@
 """Tasks: everything that differs between what is trained, behind one interface.
 
-A task is a module of this package holding ``TASK``, an instance of a :class:`Task` subclass. The loop, the
-devices, checkpoints and reports know nothing else about it. A task owns:
+A task is a :class:`Task` subclass registered under its recipe name (``@register("sft")``): the built-in ones,
+one module each in this package, register when it is imported; a recipe may also name one outside the framework
+as ``task: path/to/file.py:ClassName`` or ``task: package.module:ClassName`` (``get_task`` loads and registers it).
+The loop, the devices, checkpoints and reports know nothing else about it. A task owns:
 
-- its recipe keys: ``reads``, the task-specific keys (dotted, or whole sections) it reads: a key that another
-  task reads and this one does not is refused when a recipe sets it, instead of being silently ignored;
-  ``check(cfg)`` returns the problems of the keys it reads (or refuses), like the config core;
+- its recipe keys: ``options``, the ``(section, dataclass)`` of its own keys (``sft``: SftConfig), which
+  framework/config.py adds to the schema; ``reads``, the task-specific keys (dotted, or whole sections, its own
+  included) it reads: a key that another task reads and this one does not is refused when a recipe sets it,
+  instead of being silently ignored; ``check(cfg)`` returns the problems of the keys it reads (or refuses),
+  like the config core;
 - model loading: ``load(cfg, raw)`` -> (model, tokenizer), pretrained (``model.name_or_path``) or from a
   config (``model.config``); ``pipeline``: what the saved ``model/`` loads as in ``transformers.pipeline``;
 - data preparation: ``columns(cfg)`` (the columns its rows need) and ``keep_row`` (which rows are usable),
@@ -19,26 +23,44 @@ devices, checkpoints and reports know nothing else about it. A task owns:
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
 - ``notes(cfg, train_ds, eval_ds)``: lines for the plan about the prepared data (rows it dropped or truncated);
 - ``sample(model, tokenizer, cfg, eval_ds)``: an optional human-readable sample for the log and summary (a generation);
+  ``report_sections(output_dir, summary, plots_dir)``: its own sections of report.html (classification's per-class
+  table and confusion matrix);
 - ``for_run(model, accelerator, cfg)``: the task as one run uses it: a copy holding the recipe's settings of its
   loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
+- ``peft_task_type``: peft's task type for adapters on its model (``CAUSAL_LM``, ``SEQ_CLS``);
 - ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Dict, List, Optional, Tuple
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import numpy as np
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-TASKS = ("text_classification", "causal_lm", "masked_lm", "sft", "dpo")
+from framework.errors import UserError
+
 # What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
 # size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
 MODEL_ERRORS = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
+
+
+@dataclasses.dataclass
+class ReportSection:
+    """A section a task adds to report.html: a table, and the plots it drew for it."""
+
+    title: str
+    header: Sequence[str]
+    rows: List[Sequence]
+    plots: List[Path] = dataclasses.field(default_factory=list)
 
 
 class Task:
@@ -50,6 +72,11 @@ class Task:
     reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
     harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
+    options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
+    # peft's task type for its model (LoRA): what the wrapped model's forward accepts and, for classification, the
+    # new head (``classifier`` or ``score``) kept trainable; None: peft's default.
+    peft_task_type: Optional[str] = None
+    moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
 
     def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
         """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
@@ -123,11 +150,87 @@ class Task:
         """Something to read at the end of a run (a generation), logged and written into summary.json."""
         return None
 
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Sections of report.html from a finished run (its summary.json, ``summary``; the files in
+        ``output_dir``), their plots drawn into ``plots_dir``."""
+        return []
+
+
+_REGISTRY: Dict[str, Task] = {}
+
+
+def register(name: str):
+    """Class decorator: the task ``task: NAME`` in a recipe trains (one instance of the class)."""
+    def add(cls: type) -> type:
+        cls.name = name
+        _REGISTRY[name] = cls()
+        return cls
+    return add
+
+
+def registered() -> Tuple[str, ...]:
+    """The names of the tasks registered so far: the built-in ones, then those recipes named by their class."""
+    return tuple(_REGISTRY)
+
 
 def get_task(name: str) -> Task:
-    return importlib.import_module(f"framework.tasks.{name}").TASK
+    """The task a recipe's ``task`` names: a registered one, or ``FILE.py:Class`` / ``package.module:Class``,
+    loaded and registered on first use. A name that is neither is a UserError naming ``task``."""
+    if name not in _REGISTRY:
+        if ":" not in name:
+            raise UserError(f"task: {name!r} is not a task; use one of {', '.join(registered())}, or name your own "
+                            "Task subclass as path/to/file.py:ClassName or package.module:ClassName")
+        _load(name)
+    return _REGISTRY[name]
+
+
+def _load(spec: str) -> None:
+    where, _, class_name = spec.rpartition(":")
+    fix = "write task: path/to/file.py:ClassName or task: package.module:ClassName, naming a Task subclass"
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise UserError(f"task: {spec!r}: {path} does not exist (relative paths start at {Path.cwd()}); {fix}")
+            module_name = f"framework_user_task_{path.stem}"
+            found = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(found)
+            sys.modules[module_name] = module  # dataclasses look their module up while the file runs
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except Exception as e:  # the user's code: any error it raises on import is theirs to fix
+        raise UserError(f"task: {spec!r}: importing {where} failed ({type(e).__name__}: {e}); {fix}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise UserError(f"task: {spec!r}: {where} has no Task subclass named {class_name!r}; {fix}")
+    options = getattr(cls, "options", None)
+    if options is not None:
+        from framework.config import core_keys
+
+        name = options[0] if isinstance(options, tuple) and len(options) == 2 else None
+        if not (isinstance(name, str) and dataclasses.is_dataclass(options[1])) or name in core_keys() or any(
+                t.options and t.options[0] == name for t in _REGISTRY.values()):
+            raise UserError(f"task: {spec!r}: {class_name}.options must be (section name, dataclass) with a section "
+                            "name no other key or task uses, e.g. options = (\"mytask\", MyTaskConfig)")
+    try:
+        register(spec)(cls)
+    except Exception as e:
+        raise UserError(f"task: {spec!r}: {class_name}() failed ({type(e).__name__}: {e}); a task must be "
+                        "constructible without arguments") from None
+
+
+def sections() -> Dict[str, type]:
+    """Section name -> its dataclass, for every registered task that has options."""
+    return dict(t.options for t in _REGISTRY.values() if t.options)
 
 
 def task_keys() -> Tuple[str, ...]:
     """Every task-specific key: those some task reads (the others are shared by all tasks)."""
-    return tuple(dict.fromkeys(key for name in TASKS for key in get_task(name).reads))
+    return tuple(dict.fromkeys(key for task in _REGISTRY.values() for key in task.reads))
+
+
+# The built-in tasks register themselves.
+from framework.tasks import text_classification, causal_lm, masked_lm, sft, dpo  # noqa: E402,F401  isort: skip

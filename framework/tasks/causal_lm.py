@@ -28,15 +28,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS
+from framework.tasks import MODEL_ERRORS, register
 from framework.tasks.language import IGNORE, LanguageModel
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
 
 
+@register("causal_lm")
 class CausalLM(LanguageModel):
-    name = "causal_lm"
     pipeline = "text-generation"
+    peft_task_type = "CAUSAL_LM"
     architectures = "gpt2, llama, ..."
     harness = True
     reads = ("model.config_overrides", "data.packing", "data.block_size", "eval.prompt", "eval.max_new_tokens",
@@ -238,5 +239,3 @@ def _check_kind(config, what: str) -> None:
         raise UserError(f"{what} is not a causal language model (an encoder or another kind); use task: causal_lm "
                         "with a decoder (gpt2, llama, ...), or task: masked_lm for an encoder")
 
-
-TASK = CausalLM()

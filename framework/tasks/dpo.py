@@ -1,9 +1,10 @@
 """Preference tuning: DPO, IPO and SimPO on (prompt, chosen, rejected) rows.
 
 Recipe keys: the language-model keys (``model.name_or_path``, or ``model.config`` + ``model.tokenizer``),
-``data.prompt_column``, ``data.chosen_column``, ``data.rejected_column`` (strings, or conversations rendered
-with the chat template), ``data.chat_template``, ``data.max_length``, ``eval.prompt``, ``eval.max_new_tokens``,
-and the ``dpo`` section (``loss``, ``beta``, ``simpo_gamma``, ``precompute_reference``).
+``data.chat_template``, ``data.max_length``, ``eval.prompt``, ``eval.max_new_tokens``, and the ``dpo`` section
+(``DpoConfig``: ``loss``, ``beta``, ``simpo_gamma``, ``precompute_reference``, and the columns
+``prompt_column``, ``chosen_column``, ``rejected_column``: strings, or conversations rendered with the chat
+template).
 
 Rows are tokenized as TRL's DPOTrainer does: the prompt, and the prompt followed by each completion (a string
 completion gets the EOS token); the completion starts where the two token sequences part. A pair's chosen and
@@ -24,7 +25,8 @@ from __future__ import annotations
 import copy
 import hashlib
 from contextlib import contextmanager, nullcontext
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Optional, Tuple
 
 import datasets
 import numpy as np
@@ -34,11 +36,39 @@ from datasets.fingerprint import Hasher
 
 from framework import adapters, backend, chat, data, losses
 from framework.errors import UserError
+from framework.tasks import register
 from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config
 from framework.tasks.language import IGNORE
 
 ADAPTER_OFF = "adapter off"  # the reference under peft: the trained model with its adapter disabled
-KEYS = ("data.prompt_column", "data.chosen_column", "data.rejected_column")
+KEYS = ("dpo.prompt_column", "dpo.chosen_column", "dpo.rejected_column")
+
+
+@dataclass
+class DpoConfig:
+    """Preference tuning (``task: dpo``): the policy learns to prefer ``chosen`` over ``rejected`` completions."""
+
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)), log-ratios
+    against the reference model; ipo: IPO (Azar et al. 2023), the squared distance of the per-token log-ratio
+    margin from 1/(2 beta), as TRL computes it; simpo: SimPO (Meng et al. 2024), reference-free,
+    -log sigmoid(beta * (mean chosen log-prob - mean rejected log-prob) - gamma), with no reference model at all."""
+    beta: float = field(default=0.1, metadata={"gt": 0.0})
+    """How far the policy may move from the reference (sigmoid, ipo: the KL penalty's weight; ipo: the margin
+    target is 1/(2 beta)); simpo: the reward scale (SimPO's paper uses 2 to 10)."""
+    simpo_gamma: float = field(default=0.5, metadata={"ge": 0.0})
+    """simpo: the target reward margin gamma (TRL's simpo_gamma; its paper's gamma/beta is 0.5 with beta 2)."""
+    precompute_reference: bool = False
+    """sigmoid, ipo: compute the reference model's log-probabilities of every pair once, before training (on the
+    host, cached with the tokenized data), so that training holds one model and runs one forward per step.
+    false: a frozen copy of the starting weights (with ``peft``: the same model with its adapter off) runs
+    beside the policy at every step."""
+    prompt_column: str = "prompt"
+    """The column holding the prompt (a string, or a conversation: a list of {role, content})."""
+    chosen_column: str = "chosen"
+    """The column holding the preferred completion of ``prompt_column`` (a string or a conversation)."""
+    rejected_column: str = "rejected"
+    """The column holding the dispreferred completion of ``prompt_column`` (a string or a conversation)."""
 
 
 def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
@@ -87,12 +117,14 @@ def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
             "logps_rejected": rejected.detach()}
 
 
+@register("dpo")
 class DPO(CausalLM):
-    name = "dpo"
     metric = "reward_accuracy"
     sequences_per_example = 2
-    reads = ("model.config_overrides", "data.max_length", *KEYS, "data.chat_template", "eval.prompt",
-             "eval.max_new_tokens", "eval.harness", "dpo")
+    options = ("dpo", DpoConfig)
+    moved_from_data = ("prompt_column", "chosen_column", "rejected_column")
+    reads = ("model.config_overrides", "data.max_length", "data.chat_template", "eval.prompt", "eval.max_new_tokens",
+             "eval.harness", "dpo")
 
     def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
         self.dpo = dpo  # the run's dpo section (for_run)
@@ -115,7 +147,7 @@ class DPO(CausalLM):
         return ("loss", "reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected")
 
     def columns(self, cfg) -> Dict[str, str]:
-        d = cfg.data
+        d = cfg.dpo
         return dict(zip(KEYS, (d.prompt_column, d.chosen_column, d.rejected_column)))
 
     def keep_row(self, cfg):
@@ -123,23 +155,23 @@ class DPO(CausalLM):
         columns = self.columns(cfg)
 
         def check(row) -> bool:
-            prompt = row[columns["data.prompt_column"]]
+            prompt = row[columns["dpo.prompt_column"]]
             where = f"the row with prompt {_short(prompt)}"
             if not isinstance(prompt, (str, list)):
-                raise UserError(f"data.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
+                raise UserError(f"dpo.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
                                 "or a conversation (a list of {role, content}); fix or remove the row")
             values = {key: row[columns[key]] for key in KEYS[1:]}
             kinds = {key: chat.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
-                     else None for key, value in {"data.prompt_column": prompt, **values}.items()}
+                     else None for key, value in {"dpo.prompt_column": prompt, **values}.items()}
             for key, value in values.items():
                 if kinds[key] is None or not _content(value).strip():
                     raise UserError(f"{key}: {where}: the completion '{columns[key]}' is empty (or not a string or a "
                                     "conversation); every pair needs two completions: fix or remove the row")
             if len(set(kinds.values())) > 1:
-                raise UserError(f"data.prompt_column: {where}: the prompt and completions mix text and "
+                raise UserError(f"dpo.prompt_column: {where}: the prompt and completions mix text and "
                                 "conversations; make all three text, or all three conversations")
-            if values["data.chosen_column"] == values["data.rejected_column"]:
-                raise UserError(f"data.chosen_column: {where}: chosen equals rejected ({_short(values[KEYS[1]])}), "
+            if values["dpo.chosen_column"] == values["dpo.rejected_column"]:
+                raise UserError(f"dpo.chosen_column: {where}: chosen equals rejected ({_short(values[KEYS[1]])}), "
                                 "which teaches nothing; fix or remove the row")
             return True
 
@@ -357,5 +389,3 @@ def _short(value) -> str:
     text = _content(value) if isinstance(value, (str, list)) else str(value)
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
-
-TASK = DPO()

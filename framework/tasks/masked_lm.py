@@ -21,14 +21,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS
+from framework.tasks import MODEL_ERRORS, register
 from framework.tasks.language import IGNORE, LanguageModel
 
 INDEX = "index"  # the example's row number, which seeds its masks
 
 
+@register("masked_lm")
 class MaskedLM(LanguageModel):
-    name = "masked_lm"
     pipeline = "fill-mask"
     architectures = "bert, roberta, ..."
     reads = ("data.block_size", "data.mlm_probability")  # one text per row, truncated to block_size: no packing
@@ -114,5 +114,3 @@ def _check_kind(model_type: str, what: str) -> None:
         raise UserError(f"{what} is not a masked language model; use task: masked_lm with an encoder "
                         "(bert, roberta, ...), or task: causal_lm for a decoder")
 
-
-TASK = MaskedLM()

@@ -1,8 +1,8 @@
 """Supervised fine-tuning (SFT) on conversations: a causal LM trained on the tokens its assistant turns generate.
 
 Recipe keys: the causal LM's model keys (``model.name_or_path``, or ``model.config`` + ``model.tokenizer``);
-``data.messages_column`` (conversations: lists of ``{role, content}``, or their JSON text), or with
-``sft.train_on: completion`` ``data.prompt_column`` + ``data.completion_column`` (strings or conversations);
+``sft.messages_column`` (conversations: lists of ``{role, content}``, or their JSON text), or with
+``sft.train_on: completion`` ``sft.prompt_column`` + ``sft.completion_column`` (strings or conversations);
 ``data.chat_template`` (framework/chat.py); ``sft.train_on``, ``sft.overflow``; ``data.packing``,
 ``data.block_size``; ``eval.prompt``, ``eval.max_new_tokens``.
 
@@ -21,8 +21,9 @@ conversation before it, i.e. the answers greedy decoding reproduces exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional
 
 import datasets
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 
 from framework import chat, data
 from framework.errors import UserError
-from framework.tasks import language
+from framework.tasks import language, register
 from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config, packing
 from framework.tasks.language import IGNORE
 
@@ -39,12 +40,36 @@ KEPT, TRUNCATED, TOO_LONG, NO_ASSISTANT, NOTHING_LEFT = range(5)
 COUNTS = "sft_counts"
 
 
+@dataclass
+class SftConfig:
+    """Supervised fine-tuning (``task: sft``): its columns, which tokens are trained on, and what becomes of a
+    conversation longer than ``data.block_size``."""
+
+    train_on: Literal["assistant", "completion", "all"] = "assistant"
+    """assistant: the tokens each assistant message generates in ``sft.messages_column`` conversations (after
+    its role header, through its end-of-turn text), as TRL's ``assistant_only_loss``; completion: rows of
+    ``sft.prompt_column`` + ``sft.completion_column``, trained on the completion only (TRL's
+    ``completion_only_loss``); all: every token of the conversations."""
+    overflow: Literal["truncate", "drop"] = "truncate"
+    """A conversation longer than ``data.block_size`` tokens: truncate (keep its first block_size tokens; one
+    left with no token to train on is dropped) or drop it. Either way the plan counts them."""
+    messages_column: str = "messages"
+    """The column holding conversations (a list of {role, content}, or its JSON text as a csv holds it)."""
+    prompt_column: str = "prompt"
+    """With ``train_on: completion``: the column holding the prompt (a string, or a conversation: a list of
+    {role, content})."""
+    completion_column: str = "completion"
+    """With ``train_on: completion``: the column holding the completion of ``prompt_column`` (a string or a
+    conversation)."""
+
+
+@register("sft")
 class Sft(CausalLM):
-    name = "sft"
     pipeline = "text-generation"
-    reads = ("model.config_overrides", "data.block_size", "data.packing", "data.messages_column", "data.prompt_column",
-             "data.completion_column", "data.chat_template", "eval.prompt", "eval.max_new_tokens", "eval.harness",
-             "sft")
+    options = ("sft", SftConfig)
+    moved_from_data = ("messages_column", "prompt_column", "completion_column")
+    reads = ("model.config_overrides", "data.block_size", "data.packing", "data.chat_template", "eval.prompt",
+             "eval.max_new_tokens", "eval.harness", "sft")
 
     def check(self, cfg) -> List[str]:
         problems = super().check(cfg)
@@ -55,10 +80,10 @@ class Sft(CausalLM):
         return problems
 
     def columns(self, cfg) -> Dict[str, str]:
-        d = cfg.data
-        if cfg.sft.train_on == "completion":
-            return {"data.prompt_column": d.prompt_column, "data.completion_column": d.completion_column}
-        return {"data.messages_column (prompt/completion rows: sft.train_on=completion)": d.messages_column}
+        s = cfg.sft
+        if s.train_on == "completion":
+            return {"sft.prompt_column": s.prompt_column, "sft.completion_column": s.completion_column}
+        return {"sft.messages_column (prompt/completion rows: sft.train_on=completion)": s.messages_column}
 
     def keep_row(self, cfg):
         return None  # every row is checked, and its problem named, when it is tokenized
@@ -87,10 +112,10 @@ class Sft(CausalLM):
     def prepare(self, ds, tokenizer, model, cfg):
         """Rows -> token ids and labels (with each row's fate), then blocks (packing) or rows. Every feature row
         of an in-memory dataset carries the counts of the rows' fates (``sft_counts``) for the plan."""
-        d, s = cfg.data, cfg.sft
+        s = cfg.sft
         length, packed = self.sequence_length(cfg, model), packing(cfg)
-        identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, d.messages_column, d.prompt_column,
-                    d.completion_column, s.train_on, s.overflow, length)
+        identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, s.messages_column, s.prompt_column,
+                    s.completion_column, s.train_on, s.overflow, length)
 
         def tokenize(batch):
             out = {"input_ids": [], "labels": [], "status": []}
@@ -183,13 +208,13 @@ class Sft(CausalLM):
 
 def encode_row(tokenizer, row: Dict, cfg, length: int):
     """(token ids, labels, fate) of one row; the labels are the ids where trained on, else ``IGNORE``."""
-    d, s = cfg.data, cfg.sft
+    s = cfg.sft
     if s.train_on == "completion":
-        where = f"data.prompt_column/data.completion_column, the row {chat.snippet(row)}"
-        ids, mask = chat.prompt_completion_tokens(tokenizer, row[d.prompt_column], row[d.completion_column], where)
+        where = f"sft.prompt_column/sft.completion_column, the row {chat.snippet(row)}"
+        ids, mask = chat.prompt_completion_tokens(tokenizer, row[s.prompt_column], row[s.completion_column], where)
     else:
-        value = row[d.messages_column]
-        where = f"data.messages_column, the row {chat.snippet(value)}"
+        value = row[s.messages_column]
+        where = f"sft.messages_column, the row {chat.snippet(value)}"
         messages = chat.conversation(value, where)
         if not any(m["role"] == "assistant" for m in messages):
             return [], [], NO_ASSISTANT
@@ -288,5 +313,3 @@ def answer_outputs(correct: torch.Tensor, targets: torch.Tensor) -> Dict[str, to
     base = torch.cummax(torch.where(starts, errors - wrong, torch.zeros_like(errors)), dim=1).values
     return {"answers": ends.sum(dim=1), "answers_correct": (ends & (errors == base)).sum(dim=1)}
 
-
-TASK = Sft()

@@ -7,6 +7,8 @@ Recipe keys: ``data.text_column``, ``data.text_pair_column``, ``data.label_colum
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Dict, List
 
 import datasets
@@ -15,16 +17,17 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from framework import data
+from framework import data, plots
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, Task
+from framework.tasks import MODEL_ERRORS, ReportSection, Task, register
 
 LABELS = "labels"  # the column transformers models read the targets from
 
 
+@register("text_classification")
 class TextClassification(Task):
-    name = "text_classification"
     pipeline = "text-classification"
+    peft_task_type = "SEQ_CLS"
     metric = "accuracy"
     reads = ("data.text_pair_column", "data.label_column", "data.labels", "data.max_length")
 
@@ -144,6 +147,25 @@ class TextClassification(Task):
             "confusion_matrix": confusion.tolist(),
         }
 
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Precision, recall and F1 per class, and the confusion matrix, the classes by name."""
+        evaluation = summary.get("eval") or {}
+        per_class, matrix = evaluation.get("per_class"), evaluation.get("confusion_matrix")
+        if not per_class:
+            return []
+        names = class_names(output_dir, len(per_class))
+        rows = [(names[int(c)], v["precision"], v["recall"], v["f1"], v["support"]) for c, v in per_class.items()]
+        drawn = [plots.confusion(matrix, class_names(output_dir, len(matrix)), plots_dir / "confusion.png")] if matrix \
+            else []
+        return [ReportSection("Classes (eval)", ["class", "precision", "recall", "f1", "support"], rows, drawn)]
+
+
+def class_names(output_dir: Path, count: int) -> List[str]:
+    """Class id -> name, from the saved model's ``id2label`` (the ids themselves where it has none)."""
+    config = output_dir / "model" / "config.json"
+    names = (json.loads(config.read_text()) if config.is_file() else {}).get("id2label") or {}
+    return [str(names.get(str(i), i)) for i in range(count)]
+
 
 def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, d) -> List[str]:
     """Label id -> name: ``data.labels`` in its order, else the sorted values (integers: 0..max)."""
@@ -162,5 +184,3 @@ def _label_names(train: datasets.Dataset, evaluation: datasets.Dataset, d) -> Li
         return [str(i) for i in range(max(values) + 1)]
     return sorted(str(v) for v in values)
 
-
-TASK = TextClassification()
