@@ -165,13 +165,6 @@ def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(one_device, tin
     assert train_losses(resumed) == train_losses(whole)
 
 
-def test_generating_mid_training_on_xla_leaves_the_weights_bitwise(cli):
-    """backend.generating on XLA: a host copy generates, and the device model trains on bitwise as without it
-    (tests/scripts/generating_mid_training.py)."""
-    proc = cli(["xla"], script=ROOT / "tests" / "scripts" / "generating_mid_training.py")
-    assert "generating mid-training kept the weights (xla)" in proc.stdout
-
-
 def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(one_device):
     """torch_xla's profiler traced steps 2 to 3: its Chrome trace names the executed graphs' HLO ops (the
     embedding's gather, the layers' dot products). The XLA CPU device has no peak figure: no MFU, said once."""
