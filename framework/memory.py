@@ -9,6 +9,7 @@ floor for the peak, good for seeing which part dominates and whether a run canno
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
@@ -177,16 +178,24 @@ def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk
     return (8 if autocast else 4) * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
 
+@dataclasses.dataclass
+class Workload:
+    """What a task puts through the device besides the trained model's states (``Task.workload``)."""
+
+    seq_length: Optional[int] = None  # tokens per row; default data.max_length
+    sequences: int = 1  # rows per example (a preference pair's two)
+    token_logits: bool = False  # language models: logits over the vocabulary for every token
+    logits_chunk: Optional[int] = None  # with token_logits: tokens whose logits are held at once (the chunked loss)
+    frozen: Sequence[torch.nn.Module] = ()  # models held beside it (DPO's reference: their weights, replicated)
+
+
 def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
-         distributed: Optional[DistributedConfig] = None, seq_length: Optional[int] = None,
-         token_logits: bool = False, sequences: int = 1, frozen: Sequence[torch.nn.Module] = (),
-         logits_chunk: Optional[int] = None) -> Dict[str, object]:
+         distributed: Optional[DistributedConfig] = None, workload: Workload = Workload()) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
-    sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
-    ``data.max_length``), with ``token_logits`` (language models) the logits of every token
-    (``logits_chunk``: of that many tokens at a time, the chunked loss), and their total
-    on the device (offloaded states excluded). ``sequences``: rows per example (a preference pair's two);
-    ``frozen``: models the task holds beside it (DPO's reference: their weights, replicated). Call it on the model as loaded, before
+    sharding over ``shards`` devices (the processes; under xla_fsdp the mesh's fsdp axis), activations for a
+    full ``train.batch_size`` x ``workload.sequences`` x ``workload.seq_length`` batch, with ``token_logits``
+    (language models) the logits of every token, the weights of the task's frozen models, and their total
+    on the device (offloaded states excluded). Call it on the model as loaded, before
     ``accelerator.prepare`` shards it. ``distributed`` defaults to the recipe's with the strategy resolved
     the way the run resolves it (``device.resolved_distributed``: strategy auto under an FSDP or DeepSpeed
     launch config is that strategy, with the recipe's settings).
@@ -216,12 +225,13 @@ def plan(model: torch.nn.Module, cfg: RunConfig, shards: int,
         per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
     checkpointing = cfg.train.gradient_checkpointing or (distributed.strategy == "fsdp"
                                                          and distributed.fsdp.activation_checkpointing)
-    seq_length = seq_length or cfg.data.max_length
+    seq_length = workload.seq_length or cfg.data.max_length
+    sequences, token_logits, logits_chunk = workload.sequences, workload.token_logits, workload.logits_chunk
     config = getattr(model, "config", None)
     rows = cfg.train.batch_size * sequences
     activations = activation_estimate(config, rows, seq_length, 4 if cfg.precision == "no" else 2, checkpointing)
     logits = logit_estimate(config, rows, seq_length, logits_chunk, cfg.precision != "no") if token_logits else 0
-    frozen_bytes = sum(weight_bytes(p) for m in frozen for p in m.parameters())
+    frozen_bytes = sum(weight_bytes(p) for m in workload.frozen for p in m.parameters())
     on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
                  + frozen_bytes)
     return {
