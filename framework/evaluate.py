@@ -69,7 +69,7 @@ def load(folder: Path, kind: str):
     from accelerate import PartialState
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from framework.tasks.causal_lm import _check_kind
+    from framework.tasks.language import check_causal
 
     try:
         if kind == "adapter":
@@ -77,7 +77,7 @@ def load(folder: Path, kind: str):
 
             model = AutoPeftModelForCausalLM.from_pretrained(folder)
         else:
-            _check_kind(AutoConfig.from_pretrained(folder), f"{folder}")
+            check_causal(AutoConfig.from_pretrained(folder), f"{folder}")
             model = AutoModelForCausalLM.from_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
