@@ -18,7 +18,7 @@ from framework.config import HarnessConfig
 from framework.errors import UserError
 from framework.harness import Harness, format_result
 from framework.report import write_json
-from framework.tasks.causal_lm import _check_kind
+from framework.tasks.language import check_causal
 
 RESULT = "harness.json"
 
@@ -79,7 +79,7 @@ def load(folder: Path, kind: str):
 
             model = AutoPeftModelForCausalLM.from_pretrained(folder)
         else:
-            _check_kind(AutoConfig.from_pretrained(folder), f"{folder}")
+            check_causal(AutoConfig.from_pretrained(folder), f"{folder}")
             model = AutoModelForCausalLM.from_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:

@@ -22,19 +22,15 @@ MIB = 2**20
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
 
-
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
 
 def _quant_state(p: torch.Tensor):
     """bitsandbytes' 4-bit weights (QLoRA) pack two values per byte and keep their scales aside."""
     return getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
 
-
 def parameter_count(p: torch.Tensor) -> int:
     return p.numel() * 2 if _quant_state(p) is not None else p.numel()
-
 
 def weight_bytes(p: torch.Tensor) -> int:
     """The bytes a weight holds: its data, and for 4-bit weights their block scales too."""
@@ -44,17 +40,14 @@ def weight_bytes(p: torch.Tensor) -> int:
     scales = [state.absmax] + ([state.state2.absmax, state.offset] if state.nested else [])
     return _tensor_bytes(p) + sum(_tensor_bytes(t) for t in scales)
 
-
 def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     """The optimizer's own state tensors (moments, quantization scales, ...), each once: a tensor shared by
     several parameters (bitsandbytes' quantization maps) is one."""
     return list({id(v): v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}.values())
 
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by the optimizer's own state tensors."""
     return sum(_tensor_bytes(t) for t in _optimizer_state_tensors(optimizer))
-
 
 def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_bytes: int,
              held: Optional[Callable[[Iterable[torch.Tensor]], int]] = None) -> Dict[str, object]:
@@ -76,14 +69,11 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak_byte
                                 "optimizer_state_bytes": held(_optimizer_state_tensors(optimizer))}
     return result
 
-
 # ---------------------------------------------------------------- the plan
-
 
 def optimizer_state_estimate(params: Iterable[torch.Tensor], cfg: OptimConfig) -> int:
     """Bytes of optimizer state for these (trainable) parameters, from their shapes; states are fp32."""
     return sum(_state_bytes(tuple(p.shape), cfg) for p in params)
-
 
 def _state_bytes(shape: tuple, cfg: OptimConfig) -> int:
     n = math.prod(shape)
@@ -101,7 +91,6 @@ def _state_bytes(shape: tuple, cfg: OptimConfig) -> int:
         return 4 * n
     raise ValueError(f"no state estimate for optimizer {cfg.name}")
 
-
 @dataclass(frozen=True)
 class MemoryLayout:
     """What the memory plan needs to know of the strategy: the backend's ``memory_layout`` says it."""
@@ -114,7 +103,6 @@ class MemoryLayout:
     # Tensor parallelism: the model is already sharded; this process's piece of a parameter. None otherwise.
     local_piece: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation_checkpointing: bool  # the strategy checkpoints activations itself (FSDP's activation_checkpointing)
-
 
 def activation_estimate(model_config: object, batch_size: int, seq_length: int, element_bytes: int,
                         checkpointing: bool) -> Optional[int]:
@@ -144,7 +132,6 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
         return layers * e * b * s * h + per_layer
     return layers * per_layer
 
-
 def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None,
                    autocast: bool = False) -> int:
     """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
@@ -159,17 +146,23 @@ def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk
     hidden = getattr(model_config, "hidden_size", 0)
     return (8 if autocast else 4) * min(chunk, tokens) * vocab + 4 * tokens * hidden + 4 * vocab * hidden
 
+@dataclass
+class Workload:
+    """What a task puts through the device besides the trained model's states (``Task.workload``)."""
 
-def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, seq_length: Optional[int] = None,
-         token_logits: bool = False, sequences: int = 1, frozen: Sequence[torch.nn.Module] = (),
-         logits_chunk: Optional[int] = None) -> Dict[str, object]:
+    seq_length: Optional[int] = None  # tokens per row; default data.max_length
+    sequences: int = 1  # rows per example (a preference pair's two)
+    token_logits: bool = False  # language models: logits over the vocabulary for every token
+    logits_chunk: Optional[int] = None  # with token_logits: tokens whose logits are held at once (the chunked loss)
+    frozen: Sequence[torch.nn.Module] = ()  # models held beside it (DPO's reference: their weights, replicated)
+
+def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload: Workload = Workload()) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
-    sharding as the strategy lays them out (``layout``: ``backend.memory_layout``), activations for a full ``train.batch_size`` x ``seq_length`` batch (default
-    ``data.max_length``), with ``token_logits`` (language models) the logits of every token
-    (``logits_chunk``: of that many tokens at a time, the chunked loss), and their total
-    on the device (offloaded states excluded). ``sequences``: rows per example (a preference pair's two);
-    ``frozen``: models the task holds beside it (DPO's reference: their weights, replicated). Call it on the model as loaded, before
-    ``accelerator.prepare`` shards it.
+    sharding as the strategy lays them out (``layout``: ``backend.memory_layout``), activations for a full
+    ``train.batch_size`` x ``workload.sequences`` x ``workload.seq_length`` batch, with ``token_logits``
+    (language models) the logits of every token, the weights of the task's frozen models, and their total
+    on the device (offloaded states excluded). Call it on the model as loaded, before ``accelerator.prepare``
+    shards it.
 
     Under accelerate's autocast the weights, gradients and optimizer state stay fp32; DeepSpeed with bf16
     or fp16 instead keeps 16-bit weights and gradients and an fp32 master copy in the optimizer state.
@@ -194,12 +187,13 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, seq_lengt
     else:
         per_device = {k: math.ceil(v / shards) if k in sharded else v for k, v in full.items()}
     checkpointing = cfg.train.gradient_checkpointing or layout.activation_checkpointing
-    seq_length = seq_length or cfg.data.max_length
+    seq_length = workload.seq_length or cfg.data.max_length
+    sequences, token_logits, logits_chunk = workload.sequences, workload.token_logits, workload.logits_chunk
     config = getattr(model, "config", None)
     rows = cfg.train.batch_size * sequences
     activations = activation_estimate(config, rows, seq_length, 4 if cfg.precision == "no" else 2, checkpointing)
     logits = logit_estimate(config, rows, seq_length, logits_chunk, cfg.precision != "no") if token_logits else 0
-    frozen_bytes = sum(weight_bytes(p) for m in frozen for p in m.parameters())
+    frozen_bytes = sum(weight_bytes(p) for m in workload.frozen for p in m.parameters())
     on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
                  + frozen_bytes)
     return {
@@ -224,7 +218,6 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, seq_lengt
         "total_bytes": on_device,
     }
 
-
 def _state_bytes_of(params: List[torch.Tensor], trainable: List[torch.Tensor], cfg: RunConfig,
                     half_copies: bool) -> Dict[str, int]:
     """Bytes of the weights, gradients and optimizer state of these parameters (``half_copies``: DeepSpeed's
@@ -236,14 +229,12 @@ def _state_bytes_of(params: List[torch.Tensor], trainable: List[torch.Tensor], c
         + (4 * sum(p.numel() for p in trainable) if half_copies else 0),
     }
 
-
 def _first_chunk(p: torch.Tensor, shards: int) -> torch.Tensor:
     """The first of ``torch.chunk(p, shards)`` (dimension 0) as a meta tensor: FSDP2's shard on the first process."""
     if p.dim() == 0:
         return p.detach().to("meta")
     rows = math.ceil(p.shape[0] / shards)
     return torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device="meta")
-
 
 def format_plan(plan: Dict[str, object]) -> str:
     """A short block for the run plan, in MiB."""
@@ -272,17 +263,14 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
 
-
 def _logits_held(plan: Dict[str, object]) -> str:
     if plan.get("logits_chunk"):
         return (f"chunked loss: {plan['logits_chunk']} tokens x vocabulary at a time, fp32, and the gradients "
                 "it keeps")
     return "batch x length x vocabulary, fp32, and their log-softmax"
 
-
 def _mib(n: int) -> str:
     return f"{n / MIB:.1f} MiB"
-
 
 def capacity_warning(plan: Dict[str, object], device_bytes: Optional[int]) -> Optional[str]:
     """A warning when the plan alone exceeds the device's memory (``device_bytes``: CUDA total memory; None

@@ -166,9 +166,7 @@ def setup(cfg: RunConfig) -> Run:
     seq_length = task.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
     shards = mesh.parameter_shards if mesh.shard_parameters else backend.parameter_shards(accelerator)
-    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), seq_length=seq_length, token_logits=task.token_logits,
-                              sequences=task.sequences_per_example, frozen=task.frozen_models(),
-                              logits_chunk=task.logits_chunk(model))
+    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), workload=task.workload(cfg, model))
     model_flops = flops.model_flops(model)
     peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters

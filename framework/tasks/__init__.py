@@ -18,7 +18,8 @@ The loop, the devices, checkpoints and reports know nothing else about it. A tas
 - its loss, returned as a sum with what it is normalised by: ``targets(batch)`` counts the batch's targets
   (examples, or target tokens) and ``loss_sum(model, batch)`` sums their losses. The loop divides by the
   targets of the whole optimizer step (every micro-batch, every process), so a token loss is exact whatever
-  the accumulation and process count; ``logits_chunk(model)``: what the memory plan counts of the logits;
+  the accumulation and process count; ``logits_chunk(model)``: what the memory plan counts of the logits; ``workload(cfg, model)``: what the memory plan counts
+  of the task (sequence length, sequences per example, logits, frozen models);
 - ``eval_outputs(model, batch)``: per-example tensors, gathered across processes; ``metrics(gathered)``: the
   evaluation's figures (``loss`` always); ``metric``: the headline one, with ``greater_is_better(name)``;
 - ``notes(cfg, train_ds, eval_ds)``: lines for the plan about the prepared data (rows it dropped or truncated);
@@ -37,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -47,6 +49,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from framework.errors import UserError
+from framework.memory import Workload
 
 # What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
 # size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
@@ -88,6 +91,13 @@ class Task:
         """Models this task holds on the device beside the trained one, never trained nor saved (the memory plan
         counts their weights)."""
         return []
+
+    def workload(self, cfg, model: torch.nn.Module) -> Workload:
+        """What the memory plan counts of this task beside the model's states: its sequences (length, rows per
+        example), its logits and frozen models (call it on the task ``for_run`` returned)."""
+        return Workload(seq_length=self.sequence_length(cfg, model), sequences=self.sequences_per_example,
+                        token_logits=self.token_logits, logits_chunk=self.logits_chunk(model),
+                        frozen=self.frozen_models())
 
     def check(self, cfg) -> List[str]:
         """Problems with the recipe keys this task reads, each naming its key."""
@@ -192,11 +202,17 @@ def _load(spec: str) -> None:
             path = Path(where)
             if not path.is_file():
                 raise UserError(f"task: {spec!r}: {path} does not exist (relative paths start at {Path.cwd()}); {fix}")
-            module_name = f"framework_user_task_{path.stem}"
-            found = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(found)
-            sys.modules[module_name] = module  # dataclasses look their module up while the file runs
-            found.loader.exec_module(module)
+            module_name = "framework_user_task_" + re.sub(r"\W", "_", str(path.resolve()))
+            module = sys.modules.get(module_name)  # the file under another spelling of its path: loaded once
+            if module is None:
+                found = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(found)
+                sys.modules[module_name] = module  # dataclasses look their module up while the file runs
+                try:
+                    found.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
         else:
             module = importlib.import_module(where)
     except UserError:
@@ -206,7 +222,11 @@ def _load(spec: str) -> None:
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"task: {spec!r}: {where} has no Task subclass named {class_name!r}; {fix}")
-    options = getattr(cls, "options", None)
+    same = [task for task in _REGISTRY.values() if type(task) is cls]
+    if same:  # already registered under another spelling
+        _REGISTRY[spec] = same[0]
+        return
+    options = cls.options
     if options is not None:
         from framework.config import core_keys
 

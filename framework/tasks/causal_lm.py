@@ -23,13 +23,12 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers import AutoModelForCausalLM
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, register
-from framework.tasks.language import IGNORE, LanguageModel
+from framework.tasks import register
+from framework.tasks.language import IGNORE, LanguageModel, check_causal, pretrained_causal_config, pretrained_causal_lm
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
 
@@ -44,14 +43,14 @@ class CausalLM(LanguageModel):
              "eval.harness")
 
     def load(self, cfg, train, evaluation):
-        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
+        config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, key = self.tokenizer(cfg)
         if packing(cfg) and tokenizer.eos_token_id is None:
             raise UserError(f"{key}: the tokenizer has no EOS token, which packing puts between documents; use a "
                             "tokenizer with one, or data.packing=false")
         if tokenizer.pad_token is None:  # padding (unpacked rows, generation) reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if config is None else _pretrained(cfg.model, config)
+        model = self._from_config(cfg, tokenizer) if config is None else pretrained_causal_lm(cfg.model, config)
         data.check_length("data.block_size", self.sequence_length(cfg, model), tokenizer, model)
         return model, tokenizer
 
@@ -61,7 +60,7 @@ class CausalLM(LanguageModel):
         config = self.new_config(cfg, {
             "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
             "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id})
-        _check_kind(config, f"model.config: model_type '{config.model_type}'")
+        check_causal(config, f"model.config: model_type '{config.model_type}'")
         if config.vocab_size < len(tokenizer):
             raise UserError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
                             f"{len(tokenizer)} tokens; remove it (it defaults to the tokenizer's) or raise it")
@@ -200,42 +199,3 @@ def _inputs_and_targets(model, batch):
         inputs["attention_mask"] = batch["attention_mask"]
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
     return inputs, targets
-
-
-def _pretrained_config(m):
-    """The config of the pretrained model ``m.name_or_path`` (the recipe's ``model`` section), with
-    ``m.config_overrides`` set on it, checked to be a causal LM's; None for a model trained from ``m.config``."""
-    if m.config is not None:
-        return None
-    try:
-        config = AutoConfig.from_pretrained(m.name_or_path)
-    except MODEL_ERRORS as e:
-        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}': {str(e).splitlines()[0]}") from None
-    overrides = m.config_overrides or {}
-    unknown = [key for key in overrides if not hasattr(config, key)]
-    if unknown:  # a misspelt attribute would otherwise be stored and silently ignored
-        raise UserError(f"model.config_overrides: {', '.join(unknown)}: not an attribute of the {config.model_type} "
-                        f"config of '{m.name_or_path}'; remove it or correct its name")
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    _check_kind(config, f"model.name_or_path: '{m.name_or_path}'")
-    return config
-
-
-def _pretrained(m, config):
-    """The pretrained causal LM of the recipe's ``model`` section, with its config (``_pretrained_config``)."""
-    try:
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config)
-    except MODEL_ERRORS as e:
-        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a causal language model: "
-                        f"{str(e).splitlines()[0]}") from None
-
-
-def _check_kind(config, what: str) -> None:
-    """Causal LMs only: encoders (BERT-like, which also have a decoder head in transformers) would attend to
-    future tokens unless configured as decoders."""
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-            config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)):
-        raise UserError(f"{what} is not a causal language model (an encoder or another kind); use task: causal_lm "
-                        "with a decoder (gpt2, llama, ...), or task: masked_lm for an encoder")
-

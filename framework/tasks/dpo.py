@@ -37,8 +37,8 @@ from datasets.fingerprint import Hasher
 from framework import adapters, backend, chat, data, losses
 from framework.errors import UserError
 from framework.tasks import register
-from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config
-from framework.tasks.language import IGNORE
+from framework.tasks.causal_lm import CausalLM
+from framework.tasks.language import IGNORE, pretrained_causal_config, pretrained_causal_lm
 
 ADAPTER_OFF = "adapter off"  # the reference under peft: the trained model with its adapter disabled
 KEYS = ("dpo.prompt_column", "dpo.chosen_column", "dpo.rejected_column")
@@ -178,7 +178,7 @@ class DPO(CausalLM):
         return check
 
     def load(self, cfg, train, evaluation):
-        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
+        config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, key = self.tokenizer(cfg)
         # Before a new model sizes its vocabulary; a built-in template gives an EOS-less tokenizer its end of turn.
         chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
@@ -187,7 +187,7 @@ class DPO(CausalLM):
                             "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
         if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if config is None else _pretrained(cfg.model, config)
+        model = self._from_config(cfg, tokenizer) if config is None else pretrained_causal_lm(cfg.model, config)
         chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
         data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
         return model, tokenizer

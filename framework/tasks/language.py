@@ -1,7 +1,9 @@
 """What the language-model tasks share: their model keys (pretrained, or a config and a tokenizer), one text
 column, the tokenizer, and the loss and metrics per target token (``LanguageModel``); per-row token losses.
 The loss goes through framework/losses.py (the head and cross-entropy chunk by chunk) unless the recipe sets
-``train.chunked_loss: false`` or the architecture is not one it is exact for."""
+``train.chunked_loss: false`` or the architecture is not one it is exact for. The causal LM tasks (causal_lm,
+sft, dpo) and ``evaluate.py`` share the loading of a pretrained causal LM and the check that a model is one
+(``pretrained_causal_config``, ``pretrained_causal_lm``, ``check_causal``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from framework import backend, losses
 from framework.errors import UserError
@@ -158,3 +161,42 @@ class LanguageModel(Task):
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         return metrics(gathered)
+
+
+def pretrained_causal_config(m):
+    """The config of the pretrained model ``m.name_or_path`` (the recipe's ``model`` section), with
+    ``m.config_overrides`` set on it, checked to be a causal LM's; None for a model trained from ``m.config``."""
+    if m.config is not None:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(m.name_or_path)
+    except MODEL_ERRORS as e:
+        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}': {str(e).splitlines()[0]}") from None
+    overrides = m.config_overrides or {}
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:  # a misspelt attribute would otherwise be stored and silently ignored
+        raise UserError(f"model.config_overrides: {', '.join(unknown)}: not an attribute of the {config.model_type} "
+                        f"config of '{m.name_or_path}'; remove it or correct its name")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    check_causal(config, f"model.name_or_path: '{m.name_or_path}'")
+    return config
+
+
+def pretrained_causal_lm(m, config):
+    """The pretrained causal LM of the recipe's ``model`` section, with its config (``pretrained_causal_config``)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config)
+    except MODEL_ERRORS as e:
+        raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a causal language model: "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def check_causal(config, what: str) -> None:
+    """Causal LMs only: encoders (BERT-like, which also have a decoder head in transformers) would attend to
+    future tokens unless configured as decoders."""
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+            config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)):
+        raise UserError(f"{what} is not a causal language model (an encoder or another kind); use task: causal_lm "
+                        "with a decoder (gpt2, llama, ...), or task: masked_lm for an encoder")
+

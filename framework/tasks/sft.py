@@ -32,8 +32,8 @@ import torch
 from framework import chat, data
 from framework.errors import UserError
 from framework.tasks import language, register
-from framework.tasks.causal_lm import CausalLM, _pretrained, _pretrained_config, packing
-from framework.tasks.language import IGNORE
+from framework.tasks.causal_lm import CausalLM, packing
+from framework.tasks.language import IGNORE, pretrained_causal_config, pretrained_causal_lm
 
 # A row's fate in preparation, counted for the plan ("counts" of every feature row: see ``prepare``).
 KEPT, TRUNCATED, TOO_LONG, NO_ASSISTANT, NOTHING_LEFT = range(5)
@@ -92,7 +92,7 @@ class Sft(CausalLM):
         return super().metric_names() + ("answer_accuracy",)
 
     def load(self, cfg, train, evaluation):
-        config = _pretrained_config(cfg.model)  # the model's kind first: the most basic mistake
+        config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, _ = self.tokenizer(cfg)
         chat.use_template(tokenizer, cfg.data.chat_template, needed=cfg.sft.train_on != "completion")
         if tokenizer.pad_token is None:  # padding is never a target
@@ -100,7 +100,7 @@ class Sft(CausalLM):
         if config is None:
             model = self._from_config(cfg, tokenizer)
         else:
-            model = _pretrained(cfg.model, config)
+            model = pretrained_causal_lm(cfg.model, config)
             chat.resize_embeddings(model, tokenizer)  # the template's new special tokens
         stop = chat.end_of_turn_ids(tokenizer, cfg.data.chat_template)
         if stop:  # model/ then answers a pipeline("text-generation") conversation up to the end of its turn
