@@ -115,8 +115,6 @@ class DataConfig:
     per row, truncated to ``block_size`` and padded."""
     block_size: Optional[int] = _bounded(None, ge=8)
     """Language models: tokens per row; default the model's positions, at most 1024."""
-    chat_template: Optional[str] = None
-    """Post-training: the chat template: a jinja file, or a built-in name (chatml); default the tokenizer's own."""
     mlm_probability: float = _bounded(0.15, gt=0.0, lt=1.0)
     """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
