@@ -25,6 +25,7 @@ from framework.profiling import StepProfiler
 from framework.report import (Clock, LivePage, Reporter, hyperparameters, tracker_options, write_json, write_report,
                               write_text)
 from framework.signals import Signals
+from framework.step import Step, StepResult
 from framework.tasks import Task, get_task
 
 
@@ -69,6 +70,7 @@ class Run:
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
+    step: Step  # one optimizer step, as the task chooses it
 
 
 def eval_rows(cfg: RunConfig, mesh: xla_spmd.Mesh) -> int:
@@ -208,7 +210,7 @@ def setup(cfg: RunConfig) -> Run:
     expected_graphs = len(buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
                steps_per_epoch, total_steps, plan, device.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness)
+               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness, task.step(cfg))
 
 
 @dataclass
@@ -223,8 +225,9 @@ class Window:
 
 
 class LossWindow:
-    """Training loss (a sum over targets, with their count) and tokens, summed on the device and read only at
-    log intervals: reading them every step would force a host sync (and on XLA cut the step's graph)."""
+    """Training loss (a sum over targets, with their count) and tokens, as the steps report them (framework.step),
+    summed on the device and read only at log intervals: reading them every step would force a host sync (and on
+    XLA cut the step's graph)."""
 
     def __init__(self, accelerator: Accelerator, model_flops: flops.ModelFlops):
         self.accelerator, self.model_flops = accelerator, model_flops
@@ -237,13 +240,12 @@ class LossWindow:
         self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, targets, batch: Dict[str, torch.Tensor]) -> None:
-        self.loss_sum += loss_sum.detach()
-        self.targets += targets
-        row_lengths = batch["attention_mask"].sum(dim=1)  # real tokens: padding never counts
-        self.tokens += row_lengths.sum()
-        self.token_context += (row_lengths * row_lengths).sum()
-        self.micro_steps += 1
+    def add(self, result: StepResult) -> None:
+        self.loss_sum += result.loss_sum
+        self.targets += result.targets
+        self.tokens += result.tokens
+        self.token_context += result.token_context
+        self.micro_steps += result.micro_steps
 
     def close(self) -> Window:
         """Host sync: the window's figures over all processes; starts a new window."""
@@ -380,7 +382,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if len(step_batches) < accum:
             continue
         with profiler.step(state.step + 1):
-            _optimizer_step(run, step_batches, window)
+            window.add(run.step(run, step_batches))
         step_batches = []
         run.scheduler.step()
         if local_sgd is not None:
@@ -403,27 +405,6 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if state.step >= run.total_steps or state.stopped_early:
             return micro == micro_per_epoch - 1
     return True
-
-
-def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
-    """One optimizer step over its micro-batches. Its loss is the sum of every target's loss over the
-    number of targets of the whole step (all micro-batches, all processes): uneven micro-batches (token
-    counts) weigh each target alike, unlike a mean of per-batch means."""
-    acc, model, task = run.accelerator, run.model, run.task
-    counts = [task.targets(batch) for batch in batches]
-    total = device.total_over_processes(acc, sum(counts))
-    # accelerate divides each micro-batch's loss by the accumulation steps, and DDP/FSDP/DeepSpeed average
-    # the gradients over processes: this scale turns both back into the division by the step's total.
-    scale = acc.num_processes * len(batches) / total
-    for batch, count in zip(batches, counts):
-        with acc.accumulate(model):
-            loss_sum = task.loss_sum(model, batch)
-            acc.backward(loss_sum * scale)
-            if acc.sync_gradients and run.cfg.train.max_grad_norm:
-                device.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
-            run.optimizer.step()
-            run.optimizer.zero_grad()
-        window.add(loss_sum, count, batch)
 
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:

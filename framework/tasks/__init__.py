@@ -22,6 +22,8 @@ devices, checkpoints and reports know nothing else about it. A task owns:
 - ``for_run(model, accelerator, cfg)``: the task as one run uses it: a copy holding the recipe's settings of its
   loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
+- ``step(cfg)``: the optimizer step the loop runs (framework/step.py): supervised micro-batches with accumulation
+  unless the task brings its own (online RL generates, scores, then updates);
 - ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
@@ -34,6 +36,8 @@ import datasets
 import numpy as np
 import torch
 from huggingface_hub.errors import StrictDataclassError
+
+from framework.step import Step, SupervisedStep
 
 TASKS = ("text_classification", "causal_lm", "masked_lm", "sft", "dpo")
 # What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
@@ -102,6 +106,10 @@ class Task:
 
     def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def step(self, cfg) -> "Step":
+        """The optimizer step the loop runs over each step's micro-batches."""
+        return SupervisedStep()
 
     def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
