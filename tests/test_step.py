@@ -54,7 +54,7 @@ def test_the_supervised_step_counts_real_tokens_and_targets(tiny_model, easy_dat
     with fresh_process(hf_home):
         run = train.setup(cfg)
         assert isinstance(run.step, SupervisedStep)
-        iterator = iter(run.train_dl)
+        iterator = iter(run.data.train_dl)
         batches = [next(iterator), next(iterator)]
         run.model.train()
         result = run.step(run, batches)
