@@ -87,9 +87,10 @@ def load_data_and_model(cfg: RunConfig):
     rows in their own order: the framework sorts them by length, an optimisation of its own)."""
     from accelerate.utils import set_seed
 
+    from framework import run_data
     from framework.tasks import get_task
-    from framework.train import load_model_and_data
 
     set_seed(cfg.seed)
-    model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
-    return tokenizer, model, train_ds, eval_ds
+    data = run_data.open(cfg)
+    model, tokenizer = data.load(get_task(cfg.task))
+    return tokenizer, model, data.train_ds, data.eval_ds

@@ -14,7 +14,7 @@ cosine schedule with 5% warmup, clipping at 1.0) trained for the same number of 
   a checkpoint every 2 minutes, inside the measured steps. It still evaluates once at the end, saves the
   model and generates its 24-token sample (in total wall, not in the steady window);
 - raw: ``compare_lm.py --side raw``, a minimal hand-written accelerate loop, nanoGPT-style: the framework's
-  packed blocks (``load_model_and_data``) in the same seeded order, the framework's forward
+  packed blocks (``run_data.open(cfg).load``) in the same seeded order, the framework's forward
   (``get_task("causal_lm").forward``: the 4D block-diagonal document mask and restarting position_ids),
   the summed token cross-entropy divided by the step's target count, backward, clip, step, schedule,
   zero_grad. Nothing after the last step;

@@ -35,8 +35,6 @@ DEFAULT_EVAL_BATCHES = 16
 
 def notes(cfg: RunConfig, eval_examples: int) -> List[str]:
     """What the plan says about a stream."""
-    if not cfg.data.streaming:
-        return []
     every = f"every {cfg.eval.every_steps} steps and at the end" if cfg.eval.every_steps else "at the end"
     return [f"streaming: an epoch is one pass over the files by each process, its length unknown until read; "
             f"train.max_steps={cfg.train.max_steps} sizes the run",

@@ -15,9 +15,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 
-from framework import adapters, backend, checkpoint, data, flops, harness, hub, memory, report, streaming
+from framework import adapters, backend, checkpoint, flops, harness, hub, memory, report, run_data
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
@@ -25,6 +24,7 @@ from framework.profiling import StepProfiler
 from framework.report import (Clock, LivePage, Reporter, hyperparameters, tracker_options, write_json, write_report,
                               write_text)
 from framework.signals import Signals
+from framework.step import Step, StepResult
 from framework.tasks import Task, get_task
 
 
@@ -55,10 +55,7 @@ class Run:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
-    train_dl: DataLoader  # or a streaming.StreamLoader (data.streaming)
-    train_collate: object
-    eval_dl: DataLoader
-    steps_per_epoch: Optional[int]  # None for a stream
+    data: run_data.RunData  # the rows or the stream, the eval set, the loaders
     total_steps: int
     plan: Dict[str, object]
     compile_watch: backend.CompileWatch
@@ -69,35 +66,14 @@ class Run:
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
-
-
-def eval_rows(cfg: RunConfig, mesh: backend.Mesh) -> int:
-    """Rows per eval batch; under SPMD one process feeds every device, so its batch holds all of theirs."""
-    return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * mesh.devices
-
-
-def load_model_and_data(cfg: RunConfig, task: Task, mesh: Optional[backend.Mesh] = None):
-    """(model, tokenizer, train features, eval features): the rows read, checked and split, the model loaded
-    (or built), and the rows prepared by the task; at most ``eval.batches`` eval batches. A stream's training
-    features are made later, per process (None here). Seed first: a new model or head draws from the global RNG."""
-    rows = eval_rows(cfg, mesh or backend.Mesh())  # without SPMD one device
-    if cfg.data.streaming:
-        streaming.check_sources(cfg, task.columns(cfg))
-        model, tokenizer = task.load(cfg, None, None)
-        return model, tokenizer, None, streaming.eval_set(cfg, task, tokenizer, model, rows)
-    splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
-    model, tokenizer = task.load(cfg, splits.train, splits.eval)
-    eval_ds = task.prepare(splits.eval, tokenizer, model, cfg)
-    if cfg.eval.batches:
-        eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.eval.batches * rows)))
-    return model, tokenizer, task.prepare(splits.train, tokenizer, model, cfg), eval_ds
+    step: Step  # one optimizer step, as the task chooses it
 
 
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
     # Cheap checks first, so a mistake is reported before any slow work.
     start = checkpoint.start_point(cfg)
-    data.check_files(cfg.data)
+    data = run_data.open(cfg)
     for key in ("name_or_path", "tokenizer"):
         if getattr(cfg.model, key):
             hub.check_model_path(getattr(cfg.model, key), f"model.{key}")
@@ -119,43 +95,16 @@ def setup(cfg: RunConfig) -> Run:
         checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
     set_seed(cfg.seed)
     t = cfg.train
-    # Under SPMD one process feeds every device: its loader batch holds every device's examples.
     replicas = backend.data_parallel(accelerator)[1] * mesh.devices
-    loader_batch = t.batch_size * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
-        model, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, task, mesh)
-    eval_ds = data.longest_first(eval_ds)
-    model = backend.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.device.type))
+        model, tokenizer = data.load(task, mesh)
+    model = backend.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.backend.type))
     # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
     task = task.for_run(model, accelerator, cfg)
 
-    if train_ds is not None and len(train_ds) < per_step:
-        raise UserError(f"the training data has {len(train_ds)} examples, fewer than one optimizer step takes "
-                        f"({t.batch_size} per device x {t.gradient_accumulation_steps} accumulation x "
-                        f"{replicas} devices = {per_step}); lower train.batch_size")
-    buckets = data.pad_lengths(cfg.data, backend.needs_static_shapes(accelerator), task.sequence_length(cfg, model))
-    train_collate = task.collator(tokenizer, cfg, buckets)
-    if train_ds is None:  # a stream: each process reads its own share, and its loader keeps its exact position
-        stream = streaming.train_stream(cfg, task, tokenizer, model, *backend.data_parallel(accelerator))
-        train_dl = streaming.StreamLoader(stream, train_collate, loader_batch, cfg.data.shuffle_buffer, cfg.seed,
-                                          accelerator.device)
-    else:
-        # drop_last: every optimizer step sees the same number of examples, on every backend and process count.
-        # Its own generator: starting an epoch (or a resumed one) never draws from the global RNG, whose
-        # state a checkpoint restores for dropout.
-        sampler = data.train_sampler(train_ds, cfg.data, loader_batch, cfg.seed)
-        train_dl = DataLoader(train_ds, batch_size=loader_batch, drop_last=True, collate_fn=train_collate,
-                              sampler=sampler, shuffle=sampler is None, num_workers=cfg.data.num_workers,
-                              generator=torch.Generator().manual_seed(cfg.seed))
-    # Evaluation pads to one shape (the longest bucket, full batches) when shapes must be static.
-    rows = eval_rows(cfg, mesh)
-    eval_collate = task.collator(tokenizer, cfg, buckets[-1:] if buckets else None, rows=rows if buckets else None)
-    # Its own generator too: iterating a loader draws a seed, which would otherwise come from the global RNG
-    # and shift dropout after every evaluation (evaluating more or less often must not change training).
-    eval_dl = DataLoader(eval_ds, batch_size=rows, collate_fn=eval_collate, num_workers=cfg.data.num_workers,
-                         generator=torch.Generator().manual_seed(cfg.seed))
+    data.build_loaders(accelerator, task, tokenizer, model, mesh, replicas)
     if backend.model_checkpointing(cfg):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
@@ -171,25 +120,18 @@ def setup(cfg: RunConfig) -> Run:
     peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type)
-    if train_ds is None:
-        model, optimizer, eval_dl = accelerator.prepare(model, optimizer, eval_dl)
-        steps_per_epoch, total_steps = None, t.max_steps
-    else:
-        model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
-        steps_per_epoch = len(train_dl) // t.gradient_accumulation_steps
-        total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+    model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
+    steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
+    total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
     mesh.attach(accelerator, optimizer)
-    train_dl, eval_dl = mesh.shard_loader(train_dl), mesh.shard_loader(eval_dl)
 
     plan = {
         **backend.describe(cfg, accelerator, mesh),
         "per_device_batch": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "effective_batch": per_step,
-        "train_examples": len(train_ds) if train_ds is not None else "a stream",
-        "eval_examples": len(eval_ds),
-        "padding": f"static, lengths {buckets}" if buckets else "dynamic",
+        **data.plan(),
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "epochs": round(total_steps / steps_per_epoch, 3) if steps_per_epoch else None,
@@ -198,15 +140,13 @@ def setup(cfg: RunConfig) -> Run:
                                  f"({model_flops.matmul_parameters / 1e6:.2f}M non-embedding parameters; PaLM's "
                                  "6N + 12LHQT, framework/flops.py)",
         "peak_flops": f"{peak / 1e12:.4g} TFLOP/s per device ({peak_source})" if peak else None,
-        "notes": (backend.notes(cfg, accelerator) + start.notes + streaming.notes(cfg, len(eval_ds))
-                  + task.notes(cfg, train_ds, eval_ds)
+        "notes": (backend.notes(cfg, accelerator) + start.notes + data.notes(task)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
-    expected_graphs = len(buckets or []) + 4
-    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, train_dl, train_collate, eval_dl,
-               steps_per_epoch, total_steps, plan, backend.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness)
+    expected_graphs = len(data.buckets or []) + 4
+    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, data, total_steps, plan, backend.CompileWatch(accelerator, expected_graphs), start,
+               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness, task.step(cfg))
 
 
 @dataclass
@@ -221,8 +161,9 @@ class Window:
 
 
 class LossWindow:
-    """Training loss (a sum over targets, with their count) and tokens, summed on the device and read only at
-    log intervals: reading them every step would force a host sync (and on XLA cut the step's graph)."""
+    """Training loss (a sum over targets, with their count) and tokens, as the steps report them (framework.step),
+    summed on the device and read only at log intervals: reading them every step would force a host sync (and on
+    XLA cut the step's graph)."""
 
     def __init__(self, accelerator: Accelerator, model_flops: flops.ModelFlops):
         self.accelerator, self.model_flops = accelerator, model_flops
@@ -235,13 +176,12 @@ class LossWindow:
         self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, targets, batch: Dict[str, torch.Tensor]) -> None:
-        self.loss_sum += loss_sum.detach()
-        self.targets += targets
-        row_lengths = batch["attention_mask"].sum(dim=1)  # real tokens: padding never counts
-        self.tokens += row_lengths.sum()
-        self.token_context += (row_lengths * row_lengths).sum()
-        self.micro_steps += 1
+    def add(self, result: StepResult) -> None:
+        self.loss_sum += result.loss_sum
+        self.targets += result.targets
+        self.tokens += result.tokens
+        self.token_context += result.token_context
+        self.micro_steps += result.micro_steps
 
     def close(self) -> Window:
         """Host sync: the window's figures over all processes; starts a new window."""
@@ -357,19 +297,9 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
 def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
                  local_sgd: Optional[LocalSGD], saves: Saves, profiler: StepProfiler) -> bool:
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
-    acc, cfg = run.accelerator, run.cfg
+    cfg = run.cfg
     accum = cfg.train.gradient_accumulation_steps
-    if run.steps_per_epoch is None:  # a stream: endless, keeping its own epochs and (resumed) position
-        batches, done, micro_per_epoch = run.train_dl, 0, math.inf
-    else:
-        micro_per_epoch = run.steps_per_epoch * accum
-        done = state.epoch_step * accum  # micro-batches of this epoch already trained on (after a resume)
-        batches = run.mesh.shard_loader(acc.skip_first_batches(run.train_dl, done)) if done else run.train_dl
-        # The data order depends only on (seed, epoch); set it on the loader actually iterated (a fresh
-        # skipping loader would otherwise start from epoch 0, accelerate issues #2016/#3242).
-        batches.set_epoch(state.epoch)
-        if hasattr(run.train_collate, "set_epoch"):  # a collator that draws (MLM masks) does so per epoch too
-            run.train_collate.set_epoch(state.epoch)
+    batches, done, micro_per_epoch = run.data.epoch_batches(run.accelerator, run.mesh, state.epoch, state.epoch_step)
     step_batches = []
     for micro, batch in enumerate(run.clock.timed(batches), start=done):
         if micro >= micro_per_epoch:  # the tail that does not fill an accumulation window
@@ -378,15 +308,14 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         if len(step_batches) < accum:
             continue
         with profiler.step(state.step + 1):
-            _optimizer_step(run, step_batches, window)
+            window.add(run.step(run, step_batches))
         step_batches = []
         run.scheduler.step()
         if local_sgd is not None:
             local_sgd.step()
         state.step += 1
         state.epoch_step += 1
-        if run.steps_per_epoch is None:
-            state.epoch = run.train_dl.epoch
+        state.epoch = run.data.epoch(state.epoch)
         reporter.step()
         if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
             with run.compile_watch.host_work():
@@ -404,33 +333,11 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
     return True
 
 
-def _optimizer_step(run: Run, batches: list, window: LossWindow) -> None:
-    """One optimizer step over its micro-batches. Its loss is the sum of every target's loss over the
-    number of targets of the whole step (all micro-batches, all processes): uneven micro-batches (token
-    counts) weigh each target alike, unlike a mean of per-batch means."""
-    acc, model, task = run.accelerator, run.model, run.task
-    counts = [task.targets(batch) for batch in batches]
-    total = backend.total_over_processes(acc, sum(counts))
-    # accelerate divides each micro-batch's loss by the accumulation steps, and DDP/FSDP/DeepSpeed average
-    # the gradients over processes: this scale turns both back into the division by the step's total.
-    scale = acc.num_processes * len(batches) / total
-    for batch, count in zip(batches, counts):
-        with acc.accumulate(model):
-            loss_sum = task.loss_sum(model, batch)
-            acc.backward(loss_sum * scale)
-            if acc.sync_gradients and run.cfg.train.max_grad_norm:
-                backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
-            run.optimizer.step()
-            run.optimizer.zero_grad()
-        window.add(loss_sum, count, batch)
-
-
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.totals()[0])
-    loader_state = run.train_dl.state_dict() if run.steps_per_epoch is None else None
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
                     recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * run.mesh.devices,
-                    loader_state=loader_state)
+                    loader_state=run.data.loader_state())
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
@@ -495,7 +402,7 @@ def evaluate(run: Run) -> Dict[str, float]:
     model.eval()
     parts = defaultdict(list)
     with torch.no_grad(), backend.large_buffers_unmapped():
-        for batch in run.eval_dl:
+        for batch in run.data.eval_dl:
             batch = run.mesh.shard_batch(batch)
             valid = batch.pop("valid", None)
             outputs = run.task.eval_outputs(model, batch)
@@ -537,8 +444,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     state, start = TrainState(), run.start
     if start.resume_from is not None:
         state = TrainState(**checkpoint.load(acc, start.resume_from))
-        if run.steps_per_epoch is None:
-            run.train_dl.load_state_dict(checkpoint.loader_state(acc, start.resume_from))
+        run.data.resume(acc, start.resume_from)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if start.clear:
@@ -549,7 +455,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     # Once per machine, each resumes (accelerate's local index is -1 for an XLA process started without a launcher).
     if start.resume_from is not None and (acc.is_main_process or acc.local_process_index == 0):
         print(f"resuming from {start.resume_from}: step {state.step}, epoch {state.epoch} "
-              f"(step {state.epoch_step} of {run.steps_per_epoch})", flush=True)
+              f"(step {state.epoch_step} of {run.data.steps_per_epoch})", flush=True)
     acc.wait_for_everyone()
     if cfg.report_to:  # the hyperparameters once, as one flat mapping
         acc.init_trackers(checkpoint.TRACKER_PROJECT, config=hyperparameters(to_dict(cfg)),
@@ -609,7 +515,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
     # collectives together; on XLA on a host copy (backend.generating), after the XLA figures.
     with backend.generating(acc, run.model, run.mesh) as model:
-        sample = run.task.sample(model, run.tokenizer, cfg, run.eval_dl.dataset)
+        sample = run.task.sample(model, run.tokenizer, cfg, run.data.eval_ds)
         if sample is not None:
             summary["sample"] = sample
             if acc.is_main_process:

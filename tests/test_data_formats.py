@@ -134,13 +134,15 @@ def test_text_pair_column_trains_on_both_texts(capsys, tiny_model, hf_home, tmp_
     # What the run's own data code feeds the model: "[CLS] context [SEP] review [SEP]", segments 0 then 1.
     from transformers import AutoTokenizer
 
+    from framework import run_data
     from framework.config import load_config
     from framework.tasks import get_task
-    from framework.train import load_model_and_data
 
     cfg = load_config(tmp_path / "out" / "config.yaml", [])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with fresh_process(hf_home):
-        first = load_model_and_data(cfg, get_task(cfg.task))[3][0]
+        data = run_data.open(cfg)
+        data.load(get_task(cfg.task))
+        first = data.eval_ds[0]
     assert tokenizer.decode(first["input_ids"]) == f"[CLS] the film [SEP] {eval_rows[0]['review']} [SEP]"
     assert first["token_type_ids"] == [0] * 4 + [1] * (len(first["input_ids"]) - 4)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, write_csv
+from framework import run_data
 from framework.config import load_config
 from framework.tasks import get_task
-from framework.train import load_model_and_data
 
 RECIPE = ROOT / "recipes" / "text_classification.yaml"
 SAMPLE = ["data.max_train_samples=1024", "data.max_eval_samples=512", "train.epochs=2", "optim.lr=1e-4"]
@@ -25,7 +25,9 @@ def test_default_recipe_on_a_sample_beats_the_majority_class(cli, tmp_path, monk
 
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
     cfg = load_config(RECIPE, SAMPLE)
-    labels = np.array(load_model_and_data(cfg, get_task(cfg.task))[3]["labels"])
+    data = run_data.open(cfg)
+    data.load(get_task(cfg.task))
+    labels = np.array(data.eval_ds["labels"])
     majority = np.bincount(labels).max() / len(labels)
     assert accuracy >= majority + 0.1, (accuracy, majority)
 

@@ -312,14 +312,16 @@ def test_the_causal_lm_recipe_beats_a_unigram_model_twice_over(cli, hf_home, tmp
     # The unigram figure on the run's own tokens: the same split, blocks and targets.
     from accelerate.utils import set_seed
 
+    from framework import run_data
     from framework.config import load_config
     from framework.tasks import get_task
-    from framework.train import load_model_and_data
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(out / "config.yaml", [])
     set_seed(cfg.seed)
-    _, tokenizer, train_ds, eval_ds = load_model_and_data(cfg, get_task(cfg.task))
+    data = run_data.open(cfg)
+    tokenizer = data.load(get_task(cfg.task))[1]
+    train_ds, eval_ds = data.train_ds, data.eval_ds
     train_ids = [t for row in train_ds["input_ids"] for t in row]
     eval_targets = [t for ids, pos in zip(eval_ds["input_ids"], eval_ds["position_ids"])
                     for t, p in zip(ids[1:], pos[1:]) if p != 0]

@@ -180,7 +180,7 @@ def test_the_live_page_takes_at_most_one_percent_of_the_time(tmp_path, monkeypat
 
 def test_a_stopped_run_leaves_a_page_that_says_where_it_stood(tiny_model, easy_data, hf_home, tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HOME": str(hf_home), "SIGNAL_AT": "framework.train:_optimizer_step", "SIGNAL_CALL": "6"}
+    env = {**os.environ, "HF_HOME": str(hf_home), "SIGNAL_AT": "framework.step:SupervisedStep.__call__", "SIGNAL_CALL": "6"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "signal_at.py"),
                            *tiny_args(tiny_model, easy_data, out, "report.enabled=true", "train.max_steps=40")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -231,6 +231,7 @@ def test_the_window_counts_real_tokens_and_their_context(hf_home):
     from accelerate import Accelerator
 
     from framework.flops import ModelFlops
+    from framework.step import StepResult, real_tokens
     from framework.train import LossWindow
 
     with fresh_process(hf_home):
@@ -238,11 +239,11 @@ def test_the_window_counts_real_tokens_and_their_context(hf_home):
                                                               matmul_parameters=1))
         for mask in ([[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 1, 1]]):
             mask = torch.tensor(mask)
-            window.add(torch.tensor(2.0), mask.shape[0], {"attention_mask": mask})
+            window.add(StepResult(torch.tensor(2.0), mask.shape[0], *real_tokens({"attention_mask": mask}), 1))
         closed = window.close()
         assert closed.tokens == 9 and closed.flops == 100.0 * 9 + 10.0 * 29
         assert closed.loss == pytest.approx(4.0 / 3) and closed.micro_steps == 2
-        window.add(torch.tensor(1.0), 1, {"attention_mask": torch.tensor([[1, 1]])})
+        window.add(StepResult(torch.tensor(1.0), 1, *real_tokens({"attention_mask": torch.tensor([[1, 1]])}), 1))
         assert window.close().tokens == 2  # a window counts only its own tokens
         assert window.totals() == (11, 33)
 

@@ -30,6 +30,8 @@ The loop, the devices, checkpoints and reports know nothing else about it. A tas
   loss (language models' chunked loss) and what it needs beside the trained model (DPO's frozen reference, on the
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
 - ``peft_task_type``: peft's task type for adapters on its model (``CAUSAL_LM``, ``SEQ_CLS``);
+- ``step(cfg)``: the optimizer step the loop runs (framework/step.py): supervised micro-batches with accumulation
+  unless the task brings its own (online RL generates, scores, then updates);
 - ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
@@ -50,6 +52,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from framework.errors import UserError
 from framework.memory import Workload
+from framework.step import Step, SupervisedStep
 
 # What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
 # size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
@@ -139,6 +142,10 @@ class Task:
 
     def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def step(self, cfg) -> "Step":
+        """The optimizer step the loop runs over each step's micro-batches."""
+        return SupervisedStep()
 
     def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError

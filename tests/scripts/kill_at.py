@@ -13,19 +13,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
-from framework import train  # noqa: E402
+from framework.step import SupervisedStep  # noqa: E402
 from run import main  # noqa: E402  (recipes/run.py: the default recipe too)
 
 kill_at = int(os.environ["KILL_AT_MICRO"])
 sig = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
 once = os.environ.get("KILL_ONCE")
-add = train.LossWindow.add
+micro_batch = SupervisedStep.micro_batch
 seen = 0
 
 
-def add_then_maybe_die(self, *args):
+def micro_batch_then_maybe_die(self, *args):
     global seen
-    add(self, *args)
+    loss_sum = micro_batch(self, *args)
     seen += 1
     if seen == kill_at:
         if once:
@@ -33,11 +33,12 @@ def add_then_maybe_die(self, *args):
                 with open(once, "x") as f:  # exclusive: the first process to get here, once
                     f.write(f"{time.time()!r} {os.getpid()}")
             except FileExistsError:
-                return
+                return loss_sum
         os.kill(os.getpid(), sig)
+    return loss_sum
 
 
-train.LossWindow.add = add_then_maybe_die
+SupervisedStep.micro_batch = micro_batch_then_maybe_die
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
