@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, read_metrics, tiny_args
+from helpers import ROOT, assert_same_weights, cores, read_metrics, tiny_args
 from in_process import train_ok
-from test_launch import cores
 from framework.cli import main
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

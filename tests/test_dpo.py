@@ -5,19 +5,16 @@ run; a run killed and resumed is bitwise the uninterrupted one; bad rows are ref
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT, read_metrics
+from helpers import (ROOT, assert_bitwise_equal_models, crash_then_resume, dpo_args, losses_by_step, pairs,
+                     read_metrics, summary, write_jsonl)
 from in_process import run_main
-from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, losses_by_step
 
-TINY_DPO = Path(__file__).resolve().parent / "tiny_dpo.yaml"
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
-ANSWERS = {"pos": ("fresh", "rotten"), "neg": ("rotten", "fresh")}
 # A fixed batch for the comparisons with TRL: uneven prompts and completions, completions of several tokens,
 # and a prompt ending mid-word (its last token merges with the completion's first: TRL's common prefix).
 ROWS = [
@@ -26,39 +23,6 @@ ROWS = [
     {"prompt": "Review: lovely sto", "chosen": "ry and a great ending. Fresh", "rejected": "p it. Rotten"},
     {"prompt": "Review: boring", "chosen": " and rotten", "rejected": " but very fine, superb acting"},
 ]
-
-
-def pairs(n: int, seed: int):
-    """An easy preference task: neutral words, then a positive or negative one that ends the prompt (what follows
-    it is a bigram a tiny model learns in a few steps); chosen is its right verdict."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        label = rng.choice(["pos", "neg"])
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 10))]
-        word = rng.choice(POSITIVE if label == "pos" else NEGATIVE)
-        chosen, rejected = ANSWERS[label]
-        rows.append({"prompt": f"review : {' '.join(words)} . sentiment : {word}", "chosen": f" {chosen}",
-                     "rejected": f" {rejected}"})
-    return rows
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pair_tokenizer(tmp_path_factory) -> Path:
-    from framework.testing import save_word_tokenizer
-
-    words = POSITIVE + NEGATIVE + NEUTRAL + ["review", "sentiment", "fresh", "rotten", ":", "."]
-    return save_word_tokenizer(tmp_path_factory.mktemp("pair_tokenizer"), words)
-
-
-@pytest.fixture(scope="module")
-def pair_data(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +44,6 @@ def gpt2_config(tokenizer):
     return GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=tokenizer.eos_token_id,
                       bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-
-
-def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str):
-    return ["--config", str(TINY_DPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
-            f"output_dir={out}", *extra]
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 # ---------------------------------------------------------------- TRL
@@ -202,7 +157,7 @@ def test_chunked_log_probabilities_equal_full_logits(loss):
     from framework.config import DataConfig, DpoConfig, RunConfig
     from framework import losses
     from framework.tasks.dpo import DPO
-    from test_losses import grads, relative, worst_gradient
+    from helpers import grads, relative, worst_gradient
 
     tokenizer, policy, reference = gpt2_models()
     assert losses.output_head(policy) is policy.lm_head  # the chunked path is taken
