@@ -1,5 +1,5 @@
-"""Checkpoints never lose work: exact resume after SIGKILL (1 and 2 processes, inside an accumulation
-window), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model (bitwise the best
+"""Checkpoints never lose work: exact resume after SIGKILL (2 processes, inside an accumulation window; one
+process: tests/test_task_contract.py), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model (bitwise the best
 step's weights, either direction of the metric), early stopping, a checkpoint at every epoch end, and
 checkpoint.resume=never."""
 
@@ -26,7 +26,6 @@ COMMON = ["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.
 
 
 @pytest.mark.parametrize("case,extra,kill_at,launch", [
-    ("one_process", [], 53, None),
     ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
     pytest.param("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml", marks=pytest.mark.multiprocess),
 ], ids=lambda v: v if isinstance(v, str) else None)

@@ -1,6 +1,7 @@
 """Supervised fine-tuning (task sft): its target masks and loss equal TRL's SFTTrainer's for the same rows and
 templates; conversations pack without seeing each other; it trains through the CLI, exports a model whose
-pipeline answers a conversation in its template; long conversations and bad rows are counted or refused by key."""
+pipeline answers a conversation in its template; long conversations and bad rows are counted or refused by key
+(1 process = 2 = accumulation and exact resume: tests/test_task_contract.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import datasets
 import pytest
 import torch
 
-from helpers import ROOT, TINY_LM, assert_same_weights, review_conversations, sft_args
+from helpers import ROOT, TINY_LM, review_conversations, sft_args
 from in_process import run_captured, run_main
 
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
@@ -281,23 +282,3 @@ def test_long_conversations_are_counted_in_the_plan(chat_data, hf_home, tmp_path
         assert code == 0
         notes = [line for line in plan.splitlines() if "note: sft:" in line]
         assert any(expected in n for n in notes) and any("without an assistant turn dropped" in n for n in notes), plan
-
-
-# ---------------------------------------------------------------- the recipe
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_equal_one_with_double_batch(cli, chat_data, hf_home, tmp_path):
-    from in_process import train_ok
-
-    common = ["data.packing=false", "train.max_steps=4", "train.max_grad_norm=null", "backend=auto", "optim.name=sgd",
-              "optim.lr=0.5"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    proc = cli(sft_args(chat_data, two, *common), launch="cpu_ddp.yaml")
-    assert "num_processes: 2" in proc.stdout
-    train_ok(sft_args(chat_data, one, *common, "train.batch_size=8"), hf_home)
-    assert_same_weights(two, one, rtol=1e-5, atol=1e-6)
-    s2, s1 = (json.loads((o / "summary.json").read_text())["eval"] for o in (two, one))
-    assert s2["tokens"] == s1["tokens"] and s2["answers"] == s1["answers"]
-    assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-5)
