@@ -1,47 +1,16 @@
-"""Shared fixtures: a tiny random BERT saved as a local model folder, easy synthetic data, and a CLI runner."""
+"""Shared fixtures: a tiny random BERT saved as a local model folder, easy synthetic data for each task, and a
+CLI runner. What the tests share that is not a fixture is in tests/helpers.py."""
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "recipes" / "run.py"
-REFERENCES = Path(__file__).resolve().parent / "references"
-TINY_RECIPE = Path(__file__).resolve().parent / "tiny.yaml"
-
-POSITIVE = ["good", "great", "superb", "fine", "lovely"]
-NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
-NEUTRAL = ["the", "movie", "was", "a", "plot", "actor", "scene", "film", "story", "and", "with", "very",
-           "quite", "this", "that", "it", "had", "some", "music", "ending"]
-
-
-def synthetic_rows(n: int, seed: int) -> List[dict]:
-    """An easy sentiment task: one positive or negative word among neutral filler."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        label = rng.choice(["pos", "neg"])
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(4, 14))]
-        words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
-        rows.append({"text": " ".join(words), "label": label})
-    return rows
-
-
-def write_csv(path: Path, rows: List[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+from helpers import (NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runner, documents, lm_args, pairs, review_conversations,
+                     synthetic_rows, write_csv, write_jsonl)
+from in_process import run_main
 
 
 @pytest.fixture(scope="session")
@@ -55,23 +24,6 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def easy_data(tmp_path_factory) -> Path:
     return write_csv(tmp_path_factory.mktemp("data") / "easy.csv", synthetic_rows(400, seed=1))
-
-
-SUBJECTS = ["the cat", "a dog", "the king", "my friend", "the ghost", "a sailor"]
-VERBS = ["sees", "likes", "follows", "finds", "calls", "leaves"]
-OBJECTS = ["the castle", "a ship", "the queen", "the sea", "a letter", "the garden"]
-WORDS = " ".join(SUBJECTS + VERBS + OBJECTS).split() + [".", "and", "then"]
-
-
-def documents(n: int, seed: int) -> List[dict]:
-    """Language models' data: documents of 1 to 12 short sentences: very uneven lengths, and structure a tiny model can learn."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} ."
-                     for _ in range(rng.choice([1, 1, 2, 3, 12]))]
-        docs.append({"text": " and then ".join(sentences)})
-    return docs
 
 
 @pytest.fixture(scope="session")
@@ -91,60 +43,46 @@ def word_tokenizer(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """(tokenizer, conversations jsonl): a word-level tokenizer (chatml's tokens are added by the run)."""
+    from framework.testing import save_word_tokenizer
+
+    folder = tmp_path_factory.mktemp("sft")
+    words = POSITIVE + NEGATIVE + NEUTRAL + ["system", "user", "assistant", "tool", "positive", "negative",
+                                             "answer", "with", "one", "word"]
+    path = folder / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in review_conversations(240, seed=0)))
+    return save_word_tokenizer(folder / "tokenizer", words), path
+
+
+@pytest.fixture(scope="session")
+def pair_tokenizer(tmp_path_factory) -> Path:
+    from framework.testing import save_word_tokenizer
+
+    words = POSITIVE + NEGATIVE + NEUTRAL + ["review", "sentiment", "fresh", "rotten", ":", "."]
+    return save_word_tokenizer(tmp_path_factory.mktemp("pair_tokenizer"), words)
+
+
+@pytest.fixture(scope="session")
+def pair_data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
+
+
+@pytest.fixture(scope="session")
 def hf_home(tmp_path_factory) -> Path:
     """One datasets/hub cache for the whole session, away from the user's own."""
     return tmp_path_factory.mktemp("hf_home")
 
 
-def cli_runner(hf_home: Path):
-    """Run the real CLI (or another ``script``) in a subprocess: ``run(args, launch=None)``; ``launch`` is an
-    accelerate config file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python. Its environment
-    is this process's at the time of the call (a test's monkeypatched variables too)."""
-
-    def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
-            launch_args: Sequence[str] = (), script: Path = RUN):
-        env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("ACCELERATE_CONFIG_FILE", None)
-        if launch:
-            cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / launch), *launch_args, str(script), *args]
-        else:
-            cmd = [sys.executable, str(script), *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-        return proc
-
-    return run
+@pytest.fixture(scope="session")
+def pretrained_lm(tmp_path_factory, hf_home, word_tokenizer, corpus):
+    """A tiny GPT-2 trained from scratch for a few steps: the pretrained model adapters start from."""
+    out = tmp_path_factory.mktemp("pretrained") / "lm"
+    assert run_main(lm_args(word_tokenizer, corpus, out, "train.max_steps=20"), hf_home) == 0
+    return out / "model"
 
 
 @pytest.fixture
 def cli(hf_home):
     """``cli_runner`` for a test."""
     return cli_runner(hf_home)
-
-
-def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
-    """Two runs' saved models (``model/model.safetensors``): the same names, each tensor within rtol/atol."""
-    import torch
-    from safetensors.torch import load_file
-
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
-    """Arguments that train the tiny model on the easy data with the tests' own recipe."""
-    return ["--config", str(TINY_RECIPE), f"model.name_or_path={model}", f"data.train_file={data}",
-            f"output_dir={out}", *extra]
-
-
-def read_metrics(out: Path) -> List[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(out: Path) -> List[float]:
-    return [r["loss"] for r in read_metrics(out) if "loss" in r]

@@ -10,16 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, read_metrics
+from helpers import TINY_RECIPE, crash_then_resume, lm_args, lora_lm_args, losses_by_step, read_metrics, summary
 from in_process import run_main, train_ok
-from test_checkpoint import crash_then_resume, losses_by_step
-from test_language_models import lm_args
 
 LORA = ["peft.r=4", "peft.alpha=8"]
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 def classifier_args(model: Path, data: Path, out: Path, *extra: str):
@@ -139,19 +133,6 @@ def test_qlora_keeps_the_base_in_4_bits(hf_home, tiny_model, easy_data, tmp_path
 
 
 # ---------------------------------------------------------------- LoRA on a causal LM
-
-
-@pytest.fixture(scope="module")
-def pretrained_lm(tmp_path_factory, hf_home, word_tokenizer, corpus):
-    """A tiny GPT-2 trained from scratch for a few steps: the pretrained model adapters start from."""
-    out = tmp_path_factory.mktemp("pretrained") / "lm"
-    assert run_main(lm_args(word_tokenizer, corpus, out, "train.max_steps=20"), hf_home) == 0
-    return out / "model"
-
-
-def lora_lm_args(model: Path, data: Path, out: Path, *extra: str):
-    return ["--config", str(Path(__file__).resolve().parent / "tiny_lm.yaml"), "model.config=null",
-            f"model.name_or_path={model}", f"data.train_file={data}", f"output_dir={out}", *LORA, *extra]
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])

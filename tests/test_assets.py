@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 ASSETS = ROOT / "assets"
 GPT2 = ASSETS / "gpt2-tokenizer"

@@ -1,10 +1,9 @@
-"""Checkpoints never lose work: exact resume after SIGKILL (1 and 2 processes, inside an accumulation
-window), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model (bitwise the best
+"""Checkpoints never lose work: exact resume after SIGKILL (2 processes, inside an accumulation window; one
+process: tests/test_task_contract.py), SIGTERM saves and exits 3, damaged checkpoints are skipped, keep_last, best model (bitwise the best
 step's weights, either direction of the metric), early stopping, a checkpoint at every epoch end, and
 checkpoint.resume=never."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,57 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, RUN, read_metrics, tiny_args
+from helpers import (KILL_SCRIPT, ROOT, RUN, assert_bitwise_equal_models, crash_then_resume, environment,
+                     losses_by_step, read_metrics, tiny_args)
 from in_process import run_captured, run_main, train_ok
 
-KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
 # 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
 # On the CPU wherever the tests run: bitwise comparisons need deterministic kernels (a GPU's are not, by default).
 COMMON = ["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10",
           "checkpoint.keep_last=3"]
 
 
-def env(hf_home, **extra):
-    return {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
-def launch_cmd(script: Path, launch: str, launch_args=()):
-    if launch is None:
-        return [sys.executable, str(script)]
-    return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-            str(ROOT / "accelerate_configs" / launch), *launch_args, str(script)]
-
-
-def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True, launch_args=()):
-    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end. The second run
-    is launched as the first was (with the same ``launch_args``) when ``launch`` names a config or ``in_process``
-    is False (the XLA tier's runs need a process each: its runtime's devices are fixed at first use), else it
-    runs in this process."""
-    proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch, launch_args) + args, cwd=ROOT, capture_output=True,
-                          text=True, env=env(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
-    assert proc.returncode != 0, "the run should have been killed"
-    if launch is None and in_process:
-        resumed = run_captured(args, hf_home)
-    else:
-        resumed = subprocess.run(launch_cmd(RUN, launch, launch_args) + args, cwd=ROOT, capture_output=True,
-                                 text=True, env=env(hf_home), timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return resumed
-
-
-def losses_by_step(out: Path) -> dict:
-    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
-
-
-def assert_bitwise_equal_models(a: Path, b: Path) -> None:
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-
-
 @pytest.mark.parametrize("case,extra,kill_at,launch", [
-    ("one_process", [], 53, None),
     ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
     pytest.param("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml", marks=pytest.mark.multiprocess),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -89,7 +48,7 @@ def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(tiny_model, easy_
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     train_ok(tiny_args(tiny_model, easy_data, whole, *args), hf_home)
     proc = subprocess.Popen([sys.executable, str(RUN), *tiny_args(tiny_model, easy_data, stopped, *args)], cwd=ROOT,
-                            env=env(hf_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=environment(hf_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (stopped / "metrics.jsonl").exists():
         time.sleep(0.05)
@@ -111,7 +70,7 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(tiny_model, easy_data, hf_
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
     train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON), hf_home)
     proc = subprocess.run([sys.executable, str(KILL_SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env(hf_home, KILL_AT_MICRO="53"), timeout=600)
+                          env=environment(hf_home, KILL_AT_MICRO="53"), timeout=600)
     assert proc.returncode != 0
     victim = out / "checkpoints" / "step_50" / "optimizer.bin"
     if damage == "truncate":

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import synthetic_rows, tiny_args, write_csv
+from helpers import synthetic_rows, tiny_args, write_csv
 from in_process import run_main
 from framework.cli import main
 
@@ -150,7 +150,7 @@ def test_a_truncated_compressed_file_is_named(capsys, tiny_model, easy_data, tmp
 
 
 def test_a_text_column_of_numbers_names_the_column_and_its_type(capsys, word_tokenizer, tmp_path):
-    from test_language_models import lm_args
+    from helpers import lm_args
 
     data = tmp_path / "numbers.jsonl"
     data.write_text("".join(f'{{"text": {i}}}\n' for i in range(50)))
@@ -159,7 +159,7 @@ def test_a_text_column_of_numbers_names_the_column_and_its_type(capsys, word_tok
 
 
 def test_a_key_the_task_does_not_read_through_the_cli(capsys, word_tokenizer, corpus, tmp_path):
-    from test_language_models import lm_args
+    from helpers import lm_args
 
     err = fails(capsys, lm_args(word_tokenizer, corpus, tmp_path / "out", "data.max_length=4096"))
     assert ("data.max_length: causal_lm does not read it (it reads model.config_overrides, data.packing, "
@@ -208,7 +208,7 @@ def test_a_model_config_its_library_refuses_is_named(capsys, word_tokenizer, cor
                                                      expected):
     """Found by the fuzzing harness: masked_lm built its model from the config unguarded (a ValueError), and a
     config value of the wrong type fails transformers 5's strict dataclass (not a ValueError)."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     err = fails(capsys, ["--config", str(ROOT / "tests" / recipe), f"model.tokenizer={word_tokenizer}",
                          f"data.train_file={corpus}", f"output_dir={tmp_path / 'out'}", override])

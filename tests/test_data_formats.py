@@ -17,7 +17,7 @@ from typing import List
 
 import pytest
 
-from conftest import NEUTRAL, synthetic_rows, tiny_args, train_losses
+from helpers import NEUTRAL, synthetic_rows, tiny_args, train_losses
 from in_process import fresh_process, run_main
 
 TRAIN_ROWS, EVAL_ROWS, BATCH = 72, 16, 8  # tests/tiny.yaml's batch: 9 steps per epoch, no row dropped

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import ROOT, write_csv
+from helpers import ROOT, write_csv
 from framework import run_data
 from framework.config import load_config
 from framework.tasks import get_task

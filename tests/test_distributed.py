@@ -1,58 +1,15 @@
-"""Multi-process training on CPU (gloo) equals one process; eval counts every example once;
-launch configs parse; every recipe/launch mismatch is refused with its message."""
+"""Launch configs parse; every recipe/launch mismatch is refused with its message. That 2 processes (gloo) train
+what one does, for every task, is tests/test_task_contract.py's."""
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, read_metrics, tiny_args
-from in_process import train_ok
-from test_launch import cores
+from helpers import ROOT, tiny_args
 from framework.cli import main
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
-
-
-def final_eval(out: Path) -> dict:
-    return [r for r in read_metrics(out) if "eval_accuracy" in r][-1]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
-def test_two_processes_equal_one_with_double_batch_and_with_accumulation(cli, tiny_model, easy_data, hf_home,
-                                                                         tmp_path):
-    """Equal weights after 6 steps mean the two processes together saw exactly the examples of the
-    single process's batch of 8, split into disjoint halves. Launched the way users type it, with the
-    default backend (auto): on a machine without GPUs the 2 launched processes train together on the CPU."""
-    common = ["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"]
-    two = tmp_path / "two_procs"
-    proc = cli(tiny_args(tiny_model, easy_data, two, "train.batch_size=4", *common), launch="cpu_ddp.yaml")
-    assert "num_processes: 2" in proc.stdout and "strategy: ddp" in proc.stdout
-    # Each process gets its share of the cores (the launcher's OMP_NUM_THREADS=1 overridden).
-    assert f"cpu_threads: {max(1, cores() // 2)} (auto: {cores()} cores / 2 processes" in proc.stdout
-    big = tmp_path / "one_proc_batch8"
-    train_ok(tiny_args(tiny_model, easy_data, big, "train.batch_size=8", *common), hf_home)
-    accum = tmp_path / "one_proc_accum2"
-    train_ok(tiny_args(tiny_model, easy_data, accum, "train.batch_size=4", "train.gradient_accumulation_steps=2",
-                       *common), hf_home)
-
-    assert_same_weights(two, big, rtol=1e-5, atol=1e-6)
-    assert_same_weights(two, accum, rtol=1e-5, atol=1e-6)
-    # The logged losses are the same numbers too: the mean over all examples of each step.
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(two) if "loss" in r]),
-                               torch.tensor([r["loss"] for r in read_metrics(big) if "loss" in r]))
-
-    # Eval: 40 examples over 2 processes x 3 per batch (not a multiple of 6): each counted exactly once.
-    two_eval, one_eval = final_eval(two), final_eval(big)
-    assert two_eval["eval_examples"] == one_eval["eval_examples"] == 40
-    assert two_eval["eval_accuracy"] == one_eval["eval_accuracy"]
-    assert two_eval["eval_f1"] == one_eval["eval_f1"]
-    assert two_eval["eval_loss"] == pytest.approx(one_eval["eval_loss"], rel=1e-5)
-    summary = json.loads((two / "summary.json").read_text())
-    assert summary["num_processes"] == 2 and summary["train"]["samples"] == 6 * 8
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

@@ -8,7 +8,7 @@ from typing import List, Literal, Optional, Union
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from framework import keys
 from framework.cli import main
 

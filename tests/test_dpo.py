@@ -1,23 +1,20 @@
 """Preference tuning (task dpo): the loss, rewards and reward accuracy equal TRL's DPOTrainer (sigmoid, ipo) and
 CPOTrainer (simpo) on a fixed batch; training through the real CLI raises reward accuracy; the three ways of
 having a reference (a frozen copy, peft's adapter switched off, precomputed log-probabilities) give the same
-run; a run killed and resumed is bitwise the uninterrupted one; bad rows are refused naming the key."""
+run; bad rows are refused naming the key (tests/test_task_contract.py: 1 process = 2 = accumulation, exact
+resume, a chosen answer equal to the rejected one)."""
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT, read_metrics
+from helpers import ROOT, dpo_args, losses_by_step, pairs, read_metrics, summary, write_jsonl
 from in_process import run_main
-from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, losses_by_step
 
-TINY_DPO = Path(__file__).resolve().parent / "tiny_dpo.yaml"
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
-ANSWERS = {"pos": ("fresh", "rotten"), "neg": ("rotten", "fresh")}
 # A fixed batch for the comparisons with TRL: uneven prompts and completions, completions of several tokens,
 # and a prompt ending mid-word (its last token merges with the completion's first: TRL's common prefix).
 ROWS = [
@@ -26,39 +23,6 @@ ROWS = [
     {"prompt": "Review: lovely sto", "chosen": "ry and a great ending. Fresh", "rejected": "p it. Rotten"},
     {"prompt": "Review: boring", "chosen": " and rotten", "rejected": " but very fine, superb acting"},
 ]
-
-
-def pairs(n: int, seed: int):
-    """An easy preference task: neutral words, then a positive or negative one that ends the prompt (what follows
-    it is a bigram a tiny model learns in a few steps); chosen is its right verdict."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        label = rng.choice(["pos", "neg"])
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 10))]
-        word = rng.choice(POSITIVE if label == "pos" else NEGATIVE)
-        chosen, rejected = ANSWERS[label]
-        rows.append({"prompt": f"review : {' '.join(words)} . sentiment : {word}", "chosen": f" {chosen}",
-                     "rejected": f" {rejected}"})
-    return rows
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pair_tokenizer(tmp_path_factory) -> Path:
-    from framework.testing import save_word_tokenizer
-
-    words = POSITIVE + NEGATIVE + NEUTRAL + ["review", "sentiment", "fresh", "rotten", ":", "."]
-    return save_word_tokenizer(tmp_path_factory.mktemp("pair_tokenizer"), words)
-
-
-@pytest.fixture(scope="module")
-def pair_data(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +44,6 @@ def gpt2_config(tokenizer):
     return GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=tokenizer.eos_token_id,
                       bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-
-
-def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str):
-    return ["--config", str(TINY_DPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
-            f"output_dir={out}", *extra]
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 # ---------------------------------------------------------------- TRL
@@ -204,7 +159,7 @@ def test_chunked_log_probabilities_equal_full_logits(loss):
     from framework.tasks.dpo import DpoConfig
     from framework import losses
     from framework.tasks.dpo import DPO
-    from test_losses import grads, relative, worst_gradient
+    from helpers import grads, relative, worst_gradient
 
     tokenizer, policy, reference = gpt2_models()
     assert losses.output_head(policy) is policy.lm_head  # the chunked path is taken
@@ -299,40 +254,9 @@ def test_lora_reference_is_the_base_with_the_adapter_off(hf_home, pair_tokenizer
     assert s["eval"]["reward_margin"] > 0 and (adapter_off / "model" / "adapter_config.json").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_equal_one_with_double_batch(cli, hf_home, pair_tokenizer, pair_data, tmp_path):
-    """DDP: each process holds its own frozen reference; the loss is normalised by the pairs of all processes."""
-    common = ["train.max_steps=8", "train.log_every=2"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    cli(dpo_args(pair_tokenizer, pair_data, two, "train.batch_size=4", *common), launch="cpu_ddp.yaml")
-    assert run_main(dpo_args(pair_tokenizer, pair_data, one, "train.batch_size=8", *common), hf_home) == 0
-    assert summary(two)["num_processes"] == 2
-    a, b = losses_by_step(two), losses_by_step(one)
-    # Equal up to the order of float sums (gloo's all-reduce, then Adam): measured bitwise through step 6 and
-    # 2.6e-5 apart (3.6e-5 relative) at step 8.
-    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-4) for k in a), (a, b)
-    assert summary(two)["eval"]["reward_margin"] == pytest.approx(summary(one)["eval"]["reward_margin"], rel=1e-3)
-
-
-@pytest.mark.slow
-def test_dpo_resumes_bitwise_after_a_kill(hf_home, pair_tokenizer, pair_data, tmp_path):
-    """The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights."""
-    common = ["train.max_steps=16", "checkpoint.every_steps=5", "train.log_every=2"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    assert run_main(dpo_args(pair_tokenizer, pair_data, whole, *common), hf_home) == 0
-    proc = crash_then_resume(hf_home, dpo_args(pair_tokenizer, pair_data, resumed, *common), kill_at_micro=12)
-    assert "resuming from" in proc.stdout and "step_10" in proc.stdout
-    assert_bitwise_equal_models(whole, resumed)
-    assert losses_by_step(whole) == losses_by_step(resumed)
-    assert summary(whole)["eval"] == summary(resumed)["eval"]
-
-
 def bad_rows(case: str):
     rows = pairs(40, seed=2)
-    if case == "equal":
-        rows[7]["rejected"] = rows[7]["chosen"]
-    elif case == "empty":
+    if case == "empty":
         rows[5]["chosen"] = "  "
     elif case == "missing":
         rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
@@ -347,7 +271,6 @@ def bad_rows(case: str):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("equal", "dpo.chosen_column: the row with prompt 'review : "),
     ("empty", "dpo.chosen_column: the row with prompt 'review : "),
     ("missing", "dpo.rejected_column: column 'rejected' is not in data.train_file"),
     ("conversation", "data.chat_template: the tokenizer has no chat template of its own"),

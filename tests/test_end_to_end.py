@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
+from helpers import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
 from framework.config import load_config
 from in_process import run_main, train_ok
 

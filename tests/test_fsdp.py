@@ -16,12 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, read_metrics
+from helpers import (ROOT, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines,
+                     read_metrics, run_ok)
 from in_process import run_captured, train_ok
-from test_adapters import lora_lm_args, pretrained_lm  # noqa: F401  (a fixture)
-from test_checkpoint import crash_then_resume, losses_by_step
-from test_language_models import lm_args
-from test_multinode import free_port, machines, run_ok
 
 CUDA = torch.cuda.is_available()
 # The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
@@ -72,7 +69,7 @@ def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
 
 @pytest.fixture(scope="module")
 def cli_module(hf_home):
-    from conftest import cli_runner
+    from helpers import cli_runner
 
     return cli_runner(hf_home)
 

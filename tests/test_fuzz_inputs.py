@@ -36,7 +36,7 @@ import yaml
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT, WORDS, documents, synthetic_rows, write_csv
+from helpers import NEGATIVE, NEUTRAL, POSITIVE, ROOT, WORDS, documents, synthetic_rows, write_csv
 from in_process import run_captured
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))  # make fuzz: this many cases per test, random each time

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, tiny_args
+from helpers import ROOT, read_metrics, tiny_args
 from framework.backend.hardware import chip
 
 pytestmark = [pytest.mark.gpu,

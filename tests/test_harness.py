@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NEGATIVE, OBJECTS, POSITIVE, SUBJECTS, VERBS, read_metrics, synthetic_rows, tiny_args, write_csv
+from helpers import (NEGATIVE, OBJECTS, POSITIVE, SUBJECTS, VERBS, lm_args, read_metrics, synthetic_rows, tiny_args,
+                     write_csv)
 from in_process import fresh_process, run_main
-from test_language_models import lm_args
 
 TASK = "tiny_next_words"
 STEPS, EVERY = 60, 30

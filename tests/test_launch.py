@@ -9,7 +9,6 @@ exit 1, so refusals are checked as a non-zero status and the message in stderr.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -19,21 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, RUN, tiny_args
+from helpers import ROOT, RUN, cores, summary, tiny_args
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
 # The launch configs for 8 GPUs are started with 2 processes here: the same launcher and the same code path
 # per process, affordable on a 2-core machine.
 TWO = ["--num_processes", "2"]
-
-
-def cores() -> int:
-    """The cores this process may run on, computed the way framework/backend/cpu.py does."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 def plan_value(stdout: str, key: str) -> str:

@@ -8,82 +8,12 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from framework import losses
 from framework.losses import IGNORE
 from in_process import train_ok
-from test_language_models import lm_args, packed_batch
-
-VOCAB, CHUNK = 97, 7  # chunks of 7 tokens: several per batch and a short last one
-
-SIZES = {
-    "gpt2": dict(n_layer=2, n_head=2, n_embd=16, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                  intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False),
-    "mistral": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                    intermediate_size=32, max_position_embeddings=64),
-    "qwen2": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                  intermediate_size=32, max_position_embeddings=64),
-    "qwen3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16, head_dim=8,
-                  intermediate_size=32, max_position_embeddings=64),
-    "phi3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                 intermediate_size=32, max_position_embeddings=64, pad_token_id=0),
-    "gpt_neox": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
-                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
-    "bert": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
-                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-    "roberta": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
-                    max_position_embeddings=70, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                    pad_token_id=1),
-    "distilbert": dict(n_layers=1, n_heads=2, dim=16, hidden_dim=32, max_position_embeddings=64, dropout=0.0,
-                       attention_dropout=0.0),
-}
-MASKED = ("bert", "roberta", "distilbert")
-
-
-def build(kind: str, dtype=torch.float32):
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(kind, vocab_size=VOCAB, **SIZES[kind])
-    model = (AutoModelForMaskedLM if kind in MASKED else AutoModelForCausalLM).from_config(config)
-    return model.to(dtype).train()
-
-
-def batch(kind: str, rows: int = 3, length: int = 20):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, VOCAB, (rows, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 15:] = 0  # a padded row
-    labels = ids.masked_fill(mask == 0, IGNORE)
-    if kind in MASKED:
-        labels = labels.masked_fill(torch.rand(ids.shape, generator=g) > 0.3, IGNORE)
-    else:
-        labels[0, :6] = IGNORE  # a prompt that is not a target
-    return {"input_ids": ids, "attention_mask": mask}, labels
-
-
-def targets_of(kind: str, labels):
-    """The targets of the outputs at each position: the next token for causal LMs, as the tasks align them."""
-    return labels if kind in MASKED else F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-
-
-def grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def worst_gradient(got: dict, expected: dict) -> float:
-    """The largest relative error of a parameter's gradient (its norm's); a gradient that is zero in exact
-    arithmetic (attention keys' bias: the softmax ignores it) is measured against the whole gradient's norm."""
-    assert got.keys() == expected.keys()
-    total = torch.cat([g.double().flatten() for g in expected.values()]).norm()
-    return max(((got[n].double() - e.double()).norm() / torch.maximum(e.double().norm(), 1e-3 * total)).item()
-               for n, e in expected.items())
-
+from helpers import (CHUNK, SIZES, VOCAB, batch, build, grads, lm_args, packed_batch, relative, targets_of,
+                     worst_gradient)
 
 def compare(model, kind, inputs, labels, select, autocast=False):
     """(loss relative error, worst gradient relative error) of the chunked loss against transformers'."""

@@ -7,23 +7,19 @@ with elastic restarts (c10d) the job restarts from its last checkpoint and ends 
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import pytest
 import torch
 
-from conftest import ROOT, RUN, assert_same_weights, tiny_args, train_losses
-from test_checkpoint import assert_bitwise_equal_models
+from helpers import (KILL_SCRIPT, ROOT, RUN, accelerate, assert_bitwise_equal_models, assert_same_weights,
+                     environment, finish, free_port, machines, run_ok, tiny_args, train_losses)
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
 
-KILL_SCRIPT = ROOT / "tests" / "scripts" / "kill_at.py"
 # 8 steps of the tiny model, a checkpoint every 4; one thread per process (4 processes share 2 cores here).
 COMMON = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.cpu_threads=1",
           "train.batch_size=4", "optim.lr=3e-3"]
@@ -31,65 +27,10 @@ COMMON = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", 
 DEAD_PEER_BOUND_S = 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def accelerate() -> str:
-    return str(Path(sys.executable).with_name("accelerate"))
-
-
-def environment(hf_home: Path, **extra: str) -> Dict[str, str]:
-    env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           **extra}
-    env.pop("ACCELERATE_CONFIG_FILE", None)
-    return env
-
-
-def machines(args: Sequence[str], processes: int, hf_home: Path, port: int, script: Path = RUN,
-             launch: Sequence[str] = (), envs: Sequence[Dict[str, str]] = ({}, {}),
-             machine_launch: Sequence[Sequence[str]] = ((), ())) -> List[subprocess.Popen]:
-    """Start the two machines' launchers: ``processes`` in all, half on each. ``envs``/``machine_launch``: each
-    machine's own environment and launch arguments."""
-    started = []
-    for rank in (0, 1):
-        cmd = [accelerate(), "launch", "--config_file", str(ROOT / "accelerate_configs" / "multi_node.yaml"),
-               "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch, *machine_launch[rank],
-               str(script), *args]
-        started.append(subprocess.Popen(cmd, cwd=ROOT, env=environment(hf_home, **envs[rank]), text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-    return started
-
-
 def kill_marker(path: Path) -> tuple:
     """(time, pid) of the worker tests/scripts/kill_at.py stopped, from its KILL_ONCE file."""
     when, pid = path.read_text().split()
     return float(when), int(pid)
-
-
-def finish(launchers: List[subprocess.Popen], timeout: float = 600) -> List[tuple]:
-    """(exit status, output, seconds when it exited) of each launcher; kills any left at the end."""
-    results = []
-    try:
-        for proc in launchers:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out, time.time()))
-    finally:
-        for proc in launchers:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return results
-
-
-def run_ok(launchers: List[subprocess.Popen]) -> List[str]:
-    results = finish(launchers)
-    for status, out, _ in results:
-        assert status == 0, out[-4000:]
-    return [out for _, out, _ in results]
 
 
 def one_machine(cli, args: Sequence[str], processes: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli_runner
+from helpers import ROOT, cli_runner
 from framework.config import load_config
 from framework.data import load_splits
 from framework.tasks import get_task

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from framework.config import load_config
 from framework.errors import UserError
 from in_process import run_main

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, tiny_args
+from helpers import ROOT, read_metrics, tiny_args
 from in_process import fresh_process, run_main
 
 

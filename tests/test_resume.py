@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_metrics, tiny_args
+from helpers import (KILL_SCRIPT, ROOT, assert_bitwise_equal_models, crash_then_resume, environment, launch_cmd,
+                     read_metrics, tiny_args)
 from in_process import run_captured, run_main
-from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, env, launch_cmd, KILL_SCRIPT
 
 # 20 steps; a checkpoint every 5; the kill lands at micro-batch 13, after step 10's checkpoint.
 COMMON = ["train.max_steps=20", "train.log_every=1", "checkpoint.every_steps=5", "checkpoint.keep_last=4"]
@@ -32,7 +32,7 @@ def runs(tmp_path_factory, tiny_model, easy_data, hf_home):
     whole, killed = root / "whole", root / "killed"
     assert run_main(tiny_args(tiny_model, easy_data, whole, *COMMON), hf_home) == 0
     proc = subprocess.run(launch_cmd(KILL_SCRIPT, None) + tiny_args(tiny_model, easy_data, killed, *COMMON),
-                          cwd=ROOT, capture_output=True, text=True, env=env(hf_home, KILL_AT_MICRO="13"), timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, env=environment(hf_home, KILL_AT_MICRO="13"), timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_10", "step_5"]
     return whole, killed
@@ -156,7 +156,7 @@ def test_an_unfinished_run_without_a_checkpoint_starts_over(hf_home, tiny_model,
     out = tmp_path / "early"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
     proc = subprocess.run(launch_cmd(KILL_SCRIPT, None) + args, cwd=ROOT, capture_output=True, text=True,
-                          env=env(hf_home, KILL_AT_MICRO="3"), timeout=600)
+                          env=environment(hf_home, KILL_AT_MICRO="3"), timeout=600)
     assert proc.returncode == -9 and (out / "config.yaml").is_file() and not (out / "checkpoints").exists()
     again = run_captured(args, hf_home)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -1,22 +1,21 @@
 """Supervised fine-tuning (task sft): its target masks and loss equal TRL's SFTTrainer's for the same rows and
 templates; conversations pack without seeing each other; it trains through the CLI, exports a model whose
-pipeline answers a conversation in its template; long conversations and bad rows are counted or refused by key."""
+pipeline answers a conversation in its template; long conversations and bad rows are counted or refused by key
+(1 process = 2 = accumulation and exact resume: tests/test_task_contract.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
 
-from conftest import NEGATIVE, NEUTRAL, POSITIVE, ROOT
+from helpers import ROOT, TINY_LM, review_conversations, sft_args
 from in_process import run_captured, run_main
 
-TINY_LM = Path(__file__).resolve().parent / "tiny_lm.yaml"
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
 # The built-in chatml with TRL's {% generation %} markers where TRL's chatml-style training templates put them
 # (qwen3_training, nemotron_*_training: after the '<|im_start|>assistant\n' header, through '<|im_end|>\n').
@@ -173,41 +172,6 @@ def test_answer_accuracy_counts_answers_reproduced_exactly():
 # ---------------------------------------------------------------- through the CLI
 
 
-def review_conversations(n: int, seed: int):
-    """An easy sentiment task as conversations: the verdict follows from the last word of the review."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        positive = rng.random() < 0.5
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 8))]
-        words.append(rng.choice(POSITIVE if positive else NEGATIVE))
-        messages = [{"role": "user", "content": " ".join(words)},
-                    {"role": "assistant", "content": "positive" if positive else "negative"}]
-        if i % 3 == 0:
-            messages.insert(0, {"role": "system", "content": "answer with one word"})
-        rows.append({"messages": messages})
-    return rows
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    """(tokenizer, conversations jsonl): a word-level tokenizer (chatml's tokens are added by the run)."""
-    from framework.testing import save_word_tokenizer
-
-    folder = tmp_path_factory.mktemp("sft")
-    words = POSITIVE + NEGATIVE + NEUTRAL + ["system", "user", "assistant", "tool", "positive", "negative",
-                                             "answer", "with", "one", "word"]
-    path = folder / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in review_conversations(240, seed=0)))
-    return save_word_tokenizer(folder / "tokenizer", words), path
-
-
-def sft_args(chat_data, out: Path, *extra: str):
-    tokenizer, data = chat_data
-    return ["--config", str(TINY_LM), "task=sft", f"model.tokenizer={tokenizer}", f"data.train_file={data}",
-            "data.chat_template=chatml", f"output_dir={out}", *extra]
-
-
 def test_sft_trains_and_its_pipeline_answers_in_chatml(chat_data, hf_home, tmp_path, capsys):
     """The answers' loss falls from a vocabulary's worth to the two words' (it learns the format: a verdict, then
     <|im_end|>), and model/ answers a conversation through pipeline(), stopping at the end of its turn."""
@@ -318,24 +282,3 @@ def test_long_conversations_are_counted_in_the_plan(chat_data, hf_home, tmp_path
         assert code == 0
         notes = [line for line in plan.splitlines() if "note: sft:" in line]
         assert any(expected in n for n in notes) and any("without an assistant turn dropped" in n for n in notes), plan
-
-
-# ---------------------------------------------------------------- the recipe
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_equal_one_with_double_batch(cli, chat_data, hf_home, tmp_path):
-    from in_process import train_ok
-    from test_language_models import assert_close_weights
-
-    common = ["data.packing=false", "train.max_steps=4", "train.max_grad_norm=null", "backend=auto", "optim.name=sgd",
-              "optim.lr=0.5"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    proc = cli(sft_args(chat_data, two, *common), launch="cpu_ddp.yaml")
-    assert "num_processes: 2" in proc.stdout
-    train_ok(sft_args(chat_data, one, *common, "train.batch_size=8"), hf_home)
-    assert_close_weights(two, one, rtol=1e-5, atol=1e-6)
-    s2, s1 = (json.loads((o / "summary.json").read_text())["eval"] for o in (two, one))
-    assert s2["tokens"] == s1["tokens"] and s2["answers"] == s1["answers"]
-    assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-5)

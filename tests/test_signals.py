@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, tiny_args
+from helpers import ROOT, read_metrics, tiny_args
 from in_process import run_captured
 
 SIGNAL_SCRIPT = ROOT / "tests" / "scripts" / "signal_at.py"

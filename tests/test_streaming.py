@@ -11,10 +11,9 @@ import datasets
 import numpy as np
 import pytest
 
-from conftest import ROOT, documents, read_metrics
+from helpers import (KILL_SCRIPT, ROOT, TINY_LM, assert_bitwise_equal_models, crash_then_resume, documents,
+                     environment, launch_cmd, losses_by_step, read_metrics)
 from in_process import run_main, train_ok
-from test_checkpoint import KILL_SCRIPT, assert_bitwise_equal_models, crash_then_resume, env, launch_cmd, losses_by_step
-from test_language_models import TINY_LM
 
 # 3 shards of ~30 blocks of 32 tokens: an epoch is ~20 steps of 4 blocks, so these runs cross epochs.
 STREAM = ["data.streaming=true", "data.shuffle_buffer=16", "train.max_steps=40", "checkpoint.every_steps=8",
@@ -42,7 +41,7 @@ def test_streamed_run_resumes_bitwise_twice(cli, hf_home, word_tokenizer, shards
     # Killed at step 13 (resumes from step 8), then again at step 8 + 12 = 20 (resumes from step 16: the
     # second resume continues the stream from its own checkpoint, not from the first one or the start).
     args = stream_args(word_tokenizer, shards, resumed)
-    killed = subprocess.run(launch_cmd(KILL_SCRIPT, None) + args, cwd=ROOT, env=env(hf_home, KILL_AT_MICRO="13"))
+    killed = subprocess.run(launch_cmd(KILL_SCRIPT, None) + args, cwd=ROOT, env=environment(hf_home, KILL_AT_MICRO="13"))
     assert killed.returncode != 0
     proc = crash_then_resume(hf_home, args, 12)
     assert "resuming from" in proc.stdout and "step_16" in proc.stdout
@@ -197,7 +196,7 @@ def test_bad_streaming_recipes_are_refused_by_key(hf_home, word_tokenizer, shard
 
 
 def test_streamed_classification_needs_its_labels(hf_home, tiny_model, easy_data, tmp_path, capsys):
-    from conftest import tiny_args
+    from helpers import tiny_args
 
     args = tiny_args(tiny_model, easy_data, tmp_path / "out", "data.streaming=true", "train.max_steps=3")
     assert run_main(args, hf_home) == 2

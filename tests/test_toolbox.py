@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_RECIPE, read_metrics, tiny_args, train_losses
+from helpers import ROOT, TINY_RECIPE, read_metrics, tiny_args, train_losses
 from in_process import fresh_process, run_main
 
 

@@ -9,9 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import NEUTRAL, POSITIVE, ROOT, tiny_args, train_losses, write_csv
+from helpers import (NEUTRAL, POSITIVE, ROOT, assert_bitwise_equal_models, crash_then_resume, losses_by_step, tiny_args,
+                     train_losses, write_csv)
 from in_process import run_main
-from test_checkpoint import assert_bitwise_equal_models, crash_then_resume, losses_by_step
 
 TOY = "task=tests/toy_task.py:ToyTask"
 

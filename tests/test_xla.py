@@ -14,7 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, RUN, assert_same_weights, cli_runner, read_metrics, tiny_args, train_losses
+from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
+                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, grads, lm_args,
+                     packed_batch, read_metrics, review_conversations, segments, targets_of, tiny_args, tiny_causal_lm,
+                     train_losses, worst_gradient)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -153,7 +156,6 @@ def test_resume_on_xla_after_a_kill_equals_the_uninterrupted_run(one_device, tin
                                                                  tmp_path):
     """Checkpoints on XLA save and load (accelerate's loader wrapper lacked what save_state reads), and a run
     killed after step 4's checkpoint resumes to the same weights as the uninterrupted run."""
-    from test_checkpoint import assert_bitwise_equal_models, crash_then_resume
 
     whole, _ = one_device
     resumed = tmp_path / "resumed"
@@ -187,13 +189,12 @@ def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(one_device):
 def test_packed_logits_equal_each_document_alone_on_xla(kind):
     import torch_xla
 
-    from test_language_models import packed_batch, segments, tiny_model
     from framework.tasks import get_task
 
     task = get_task("causal_lm")
 
     xla = torch_xla.device()
-    model, batch = tiny_model(kind).to(xla), packed_batch()
+    model, batch = tiny_causal_lm(kind).to(xla), packed_batch()
     with torch.no_grad():
         logits = task.forward(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
         worst = 0.0
@@ -209,7 +210,6 @@ def test_chunked_loss_and_gradients_on_xla_equal_the_cpu():
     outputs equal the CPU's."""
     import torch_xla
 
-    from test_losses import CHUNK, batch, build, grads, targets_of, worst_gradient
     from framework import losses
 
     def run(dev):
@@ -234,8 +234,6 @@ def test_chunked_loss_and_gradients_on_xla_equal_the_cpu():
 
 
 def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, tmp_path):
-    from conftest import WORDS, documents
-    from test_language_models import lm_args
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
@@ -259,8 +257,6 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
 
 @pytest.mark.slow  # make test-slow: SPMD itself is in the tier (test_spmd_over_four_devices_equals_one_device)
 def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monkeypatch):
-    from conftest import WORDS, documents
-    from test_language_models import lm_args
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
@@ -351,7 +347,6 @@ def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(fsdp_run, ti
                                                                     tmp_path, monkeypatch):
     """Checkpoints of a sharded run hold the whole weights and optimizer state (assembled from the shards); a run
     killed after step 4's checkpoint resumes, shards again, and ends with the uninterrupted run's weights."""
-    from test_checkpoint import assert_bitwise_equal_models, crash_then_resume
 
     whole, _ = fsdp_run
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
@@ -371,9 +366,7 @@ def test_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_weights(fsdp_run, ti
 
 def test_sft_on_xla_matches_the_cpu_with_a_bounded_number_of_graphs(cli, tmp_path):
     """Conversations packed into blocks, padded to buckets: the XLA run's losses and answer accuracy are the CPU's."""
-    from test_sft import review_conversations
     from framework.testing import save_word_tokenizer
-    from conftest import NEGATIVE, NEUTRAL, POSITIVE
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", POSITIVE + NEGATIVE + NEUTRAL + [
         "system", "user", "assistant", "positive", "negative", "answer", "with", "one", "word"])

@@ -85,6 +85,7 @@ class MaskingCollator:
         self.pad = data.collator(tokenizer, buckets, rows)
         self.probability, self.seed, self.epoch = probability, seed, 0
         self.mask_id, self.vocab = tokenizer.mask_token_id, len(tokenizer)
+        self.left = tokenizer.padding_side == "left"
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -94,17 +95,22 @@ class MaskingCollator:
         indices = batch.pop(INDEX).tolist()
         special = batch.pop("special_tokens_mask").bool() | (batch["attention_mask"] == 0)
         inputs, labels = batch["input_ids"].clone(), torch.full_like(batch["input_ids"], IGNORE)
-        for row, index in enumerate(indices):
+        width = inputs.shape[1]
+        for row, (index, feature) in enumerate(zip(indices, features)):
+            # Drawn over the example's own tokens, not the batch's padded width: the batch an example lands in
+            # (its process, its micro-batch) would otherwise change its masks.
+            n = len(feature["input_ids"])
+            own = slice(width - n, width) if self.left else slice(0, n)
             state = np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0]
             g = torch.Generator().manual_seed(int(state))
-            draw = torch.rand(inputs.shape[1], generator=g)
-            chosen = (draw < self.probability) & ~special[row]
-            labels[row, chosen] = inputs[row, chosen]
+            ids, target = inputs[row, own], labels[row, own]
+            chosen = (torch.rand(n, generator=g) < self.probability) & ~special[row, own]
+            target[chosen] = ids[chosen]
             # Of the chosen: 80% the mask token, 10% a random token, 10% unchanged (one more uniform draw).
-            how = torch.rand(inputs.shape[1], generator=g)
-            random_tokens = torch.randint(self.vocab, (inputs.shape[1],), generator=g)
-            inputs[row] = torch.where(chosen & (how < 0.8), self.mask_id, inputs[row])
-            inputs[row] = torch.where(chosen & (how >= 0.8) & (how < 0.9), random_tokens, inputs[row])
+            how = torch.rand(n, generator=g)
+            random_tokens = torch.randint(self.vocab, (n,), generator=g)
+            ids = torch.where(chosen & (how < 0.8), self.mask_id, ids)
+            inputs[row, own] = torch.where(chosen & (how >= 0.8) & (how < 0.9), random_tokens, ids)
         batch["input_ids"], batch["labels"] = inputs, labels
         return batch
 

@@ -1,0 +1,416 @@
+"""What the tests share that is not a fixture (fixtures are in conftest.py): the tiny recipes and their
+arguments, synthetic data, reading a run's outputs, comparing saved models, running the CLI in a subprocess
+(plain, under ``accelerate launch``, as two machines), and a run killed mid-training then resumed.
+tests/in_process.py runs the CLI inside the test process; framework/testing.py builds the tiny models that
+benchmarks use too."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from framework.losses import IGNORE
+from framework.tasks import registered
+from in_process import run_captured
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+RUN = ROOT / "recipes" / "run.py"
+REFERENCES = TESTS / "references"
+KILL_SCRIPT = TESTS / "scripts" / "kill_at.py"
+TINY_RECIPE = TESTS / "tiny.yaml"
+TINY_LM = TESTS / "tiny_lm.yaml"
+TINY_MLM = TESTS / "tiny_mlm.yaml"
+TINY_DPO = TESTS / "tiny_dpo.yaml"
+
+
+def task_names() -> List[str]:
+    """Every task the framework has: the tests that hold for all of them are parametrized over these."""
+    return list(registered())
+
+
+# ---------------------------------------------------------------- synthetic data
+
+POSITIVE = ["good", "great", "superb", "fine", "lovely"]
+NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
+NEUTRAL = ["the", "movie", "was", "a", "plot", "actor", "scene", "film", "story", "and", "with", "very",
+           "quite", "this", "that", "it", "had", "some", "music", "ending"]
+
+
+def synthetic_rows(n: int, seed: int) -> List[dict]:
+    """An easy sentiment task: one positive or negative word among neutral filler."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(4, 14))]
+        words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_csv(path: Path, rows: List[dict]) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+SUBJECTS = ["the cat", "a dog", "the king", "my friend", "the ghost", "a sailor"]
+VERBS = ["sees", "likes", "follows", "finds", "calls", "leaves"]
+OBJECTS = ["the castle", "a ship", "the queen", "the sea", "a letter", "the garden"]
+WORDS = " ".join(SUBJECTS + VERBS + OBJECTS).split() + [".", "and", "then"]
+
+
+def documents(n: int, seed: int) -> List[dict]:
+    """Language models' data: documents of 1 to 12 short sentences: very uneven lengths, and structure a tiny model can learn."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} ."
+                     for _ in range(rng.choice([1, 1, 2, 3, 12]))]
+        docs.append({"text": " and then ".join(sentences)})
+    return docs
+
+
+def review_conversations(n: int, seed: int):
+    """An easy sentiment task as conversations: the verdict follows from the last word of the review."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        positive = rng.random() < 0.5
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 8))]
+        words.append(rng.choice(POSITIVE if positive else NEGATIVE))
+        messages = [{"role": "user", "content": " ".join(words)},
+                    {"role": "assistant", "content": "positive" if positive else "negative"}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "answer with one word"})
+        rows.append({"messages": messages})
+    return rows
+
+
+ANSWERS = {"pos": ("fresh", "rotten"), "neg": ("rotten", "fresh")}
+
+
+def pairs(n: int, seed: int):
+    """An easy preference task: neutral words, then a positive or negative one that ends the prompt (what follows
+    it is a bigram a tiny model learns in a few steps); chosen is its right verdict."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(3, 10))]
+        word = rng.choice(POSITIVE if label == "pos" else NEGATIVE)
+        chosen, rejected = ANSWERS[label]
+        rows.append({"prompt": f"review : {' '.join(words)} . sentiment : {word}", "chosen": f" {chosen}",
+                     "rejected": f" {rejected}"})
+    return rows
+
+
+# ---------------------------------------------------------------- arguments of the tiny recipes
+
+
+def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """Arguments that train the tiny model on the easy data with the tests' own recipe."""
+    return ["--config", str(TINY_RECIPE), f"model.name_or_path={model}", f"data.train_file={data}",
+            f"output_dir={out}", *extra]
+
+
+def lm_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """A tiny GPT-2 from scratch (tests/tiny_lm.yaml) over ``tokenizer`` on the documents in ``data``."""
+    return ["--config", str(TINY_LM), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
+            *extra]
+
+
+def mlm_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """A tiny BERT masked LM from scratch (tests/tiny_mlm.yaml)."""
+    return ["--config", str(TINY_MLM), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
+            *extra]
+
+
+def sft_args(chat_data, out: Path, *extra: str) -> List[str]:
+    """tests/tiny_lm.yaml as task sft on ``chat_data`` (the fixture's (tokenizer, conversations)), chatml."""
+    tokenizer, data = chat_data
+    return ["--config", str(TINY_LM), "task=sft", f"model.tokenizer={tokenizer}", f"data.train_file={data}",
+            "data.chat_template=chatml", f"output_dir={out}", *extra]
+
+
+def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """A tiny GPT-2 from scratch tuned on preference pairs (tests/tiny_dpo.yaml)."""
+    return ["--config", str(TINY_DPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
+            f"output_dir={out}", *extra]
+
+
+def lora_lm_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """LoRA (r 4, alpha 8) on a pretrained tiny causal LM (the ``pretrained_lm`` fixture)."""
+    return ["--config", str(TINY_LM), "model.config=null", f"model.name_or_path={model}", f"data.train_file={data}",
+            f"output_dir={out}", "peft.r=4", "peft.alpha=8", *extra]
+
+
+# ---------------------------------------------------------------- a run's outputs
+
+
+def read_metrics(out: Path) -> List[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> List[float]:
+    return [r["loss"] for r in read_metrics(out) if "loss" in r]
+
+
+def losses_by_step(out: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def weights(out: Path) -> dict:
+    """A run's saved model (``model/model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:
+    """Two runs' saved models: the same names, each tensor within rtol/atol."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_bitwise_equal_models(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+# ---------------------------------------------------------------- processes
+
+
+def cores() -> int:
+    """The cores this process may run on, computed the way framework/backend/cpu.py does."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def environment(hf_home: Path, **extra: str) -> Dict[str, str]:
+    """A run's environment: this process's, the session's HF cache, no accelerate config of the user's."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           **extra}
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    return env
+
+
+def accelerate() -> str:
+    return str(Path(sys.executable).with_name("accelerate"))
+
+
+def launch_cmd(script: Path, launch: Optional[str], launch_args: Sequence[str] = ()) -> List[str]:
+    """``script`` under plain python (``launch`` None) or ``accelerate launch`` with accelerate_configs/LAUNCH."""
+    if launch is None:
+        return [sys.executable, str(script)]
+    return [accelerate(), "launch", "--config_file", str(ROOT / "accelerate_configs" / launch), *launch_args,
+            str(script)]
+
+
+def cli_runner(hf_home: Path):
+    """Run the real CLI (or another ``script``) in a subprocess: ``run(args, launch=None)``; ``launch`` is an
+    accelerate config file name (under accelerate_configs/) to go through ``accelerate launch``, else plain python. Its environment
+    is this process's at the time of the call (a test's monkeypatched variables too)."""
+
+    def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
+            launch_args: Sequence[str] = (), script: Path = RUN):
+        cmd = launch_cmd(script, launch, launch_args) + list(args)
+        proc = subprocess.run(cmd, cwd=ROOT, env=environment(hf_home), capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return proc
+
+    return run
+
+
+def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True, launch_args=()):
+    """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end. The second run
+    is launched as the first was (with the same ``launch_args``) when ``launch`` names a config or ``in_process``
+    is False (the XLA tier's runs need a process each: its runtime's devices are fixed at first use), else it
+    runs in this process."""
+    proc = subprocess.run(launch_cmd(KILL_SCRIPT, launch, launch_args) + args, cwd=ROOT, capture_output=True,
+                          text=True, env=environment(hf_home, KILL_AT_MICRO=str(kill_at_micro)), timeout=600)
+    assert proc.returncode != 0, "the run should have been killed"
+    if launch is None and in_process:
+        resumed = run_captured(args, hf_home)
+    else:
+        resumed = subprocess.run(launch_cmd(RUN, launch, launch_args) + args, cwd=ROOT, capture_output=True,
+                                 text=True, env=environment(hf_home), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machines(args: Sequence[str], processes: int, hf_home: Path, port: int, script: Path = RUN,
+             launch: Sequence[str] = (), envs: Sequence[Dict[str, str]] = ({}, {}),
+             machine_launch: Sequence[Sequence[str]] = ((), ())) -> List[subprocess.Popen]:
+    """Start two machines' launchers on this host: ``processes`` in all, half on each. ``envs``/``machine_launch``:
+    each machine's own environment and launch arguments."""
+    started = []
+    for rank in (0, 1):
+        cmd = [accelerate(), "launch", "--config_file", str(ROOT / "accelerate_configs" / "multi_node.yaml"),
+               "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch, *machine_launch[rank],
+               str(script), *args]
+        started.append(subprocess.Popen(cmd, cwd=ROOT, env=environment(hf_home, **envs[rank]), text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    return started
+
+
+def finish(launchers: List[subprocess.Popen], timeout: float = 600) -> List[tuple]:
+    """(exit status, output, seconds when it exited) of each launcher; kills any left at the end."""
+    results = []
+    try:
+        for proc in launchers:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out, time.time()))
+    finally:
+        for proc in launchers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def run_ok(launchers: List[subprocess.Popen]) -> List[str]:
+    results = finish(launchers)
+    for status, out, _ in results:
+        assert status == 0, out[-4000:]
+    return [out for _, out, _ in results]
+
+
+# ---------------------------------------------------------------- tiny models and batches outside a run
+
+
+def tiny_causal_lm(kind: str):
+    """A 2-layer GPT-2 or Llama (4 heads over 2 key/value heads) from seed 0, vocabulary 50, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {"gpt2": dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0),
+             "llama": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                           intermediate_size=64, max_position_embeddings=64)}[kind]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=50, bos_token_id=0, eos_token_id=0, **sizes)).eval()
+
+
+def packed_batch(block: int = 32):
+    from framework.tasks.causal_lm import PackedCollator, pack
+
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (5, 17, 3, 30, 9, 12, 21, 2)]
+    blocks = pack(docs, block)
+    rows = [dict(zip(blocks, values)) for values in zip(*blocks.values())]
+    return PackedCollator()(rows)
+
+
+def segments(batch):
+    """(row, start, end) of every segment: where the positions restart at 0."""
+    for row, positions in enumerate(batch["position_ids"]):
+        starts = [i for i, p in enumerate(positions.tolist()) if p == 0] + [len(positions)]
+        yield from ((row, a, b) for a, b in zip(starts, starts[1:]))
+
+
+
+VOCAB, CHUNK = 97, 7  # chunks of 7 tokens: several per batch and a short last one
+
+SIZES = {
+    "gpt2": dict(n_layer=2, n_head=2, n_embd=16, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                  intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False),
+    "mistral": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                    intermediate_size=32, max_position_embeddings=64),
+    "qwen2": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                  intermediate_size=32, max_position_embeddings=64),
+    "qwen3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16, head_dim=8,
+                  intermediate_size=32, max_position_embeddings=64),
+    "phi3": dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                 intermediate_size=32, max_position_embeddings=64, pad_token_id=0),
+    "gpt_neox": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+    "bert": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "roberta": dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                    max_position_embeddings=70, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                    pad_token_id=1),
+    "distilbert": dict(n_layers=1, n_heads=2, dim=16, hidden_dim=32, max_position_embeddings=64, dropout=0.0,
+                       attention_dropout=0.0),
+}
+MASKED = ("bert", "roberta", "distilbert")
+
+
+def build(kind: str, dtype=torch.float32):
+    """A tiny model of architecture ``kind`` (SIZES) from seed 0, in training mode: the chunked loss's tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, vocab_size=VOCAB, **SIZES[kind])
+    model = (AutoModelForMaskedLM if kind in MASKED else AutoModelForCausalLM).from_config(config)
+    return model.to(dtype).train()
+
+
+def batch(kind: str, rows: int = 3, length: int = 20):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0  # a padded row
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    if kind in MASKED:
+        labels = labels.masked_fill(torch.rand(ids.shape, generator=g) > 0.3, IGNORE)
+    else:
+        labels[0, :6] = IGNORE  # a prompt that is not a target
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def targets_of(kind: str, labels):
+    """The targets of the outputs at each position: the next token for causal LMs, as the tasks align them."""
+    return labels if kind in MASKED else F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def worst_gradient(got: dict, expected: dict) -> float:
+    """The largest relative error of a parameter's gradient (its norm's); a gradient that is zero in exact
+    arithmetic (attention keys' bias: the softmax ignores it) is measured against the whole gradient's norm."""
+    assert got.keys() == expected.keys()
+    total = torch.cat([g.double().flatten() for g in expected.values()]).norm()
+    return max(((got[n].double() - e.double()).norm() / torch.maximum(e.double().norm(), 1e-3 * total)).item()
+               for n, e in expected.items())

@@ -1,0 +1,224 @@
+"""What every task promises, checked for each on its tiny recipe: 1 process = 2 processes (gloo) = gradient
+accumulation (the same examples in each optimizer step) within the task's stated tolerances; a run killed
+mid-training resumes to bitwise the uninterrupted run's weights and logged losses; a bad row is refused with
+exit 2 and a message naming its column; ``--dry-run`` exits 0 after printing the plan.
+
+The runs of a task are made once (module scope), when a check first needs them, and shared by its checks."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
+                     documents, dpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics, review_conversations,
+                     sft_args, summary, synthetic_rows, task_names, tiny_args, write_jsonl)
+from in_process import run_captured, train_ok
+
+# The language models' runs: one document per row (packing off; masked LMs never pack): micro-batches of very
+# different token counts; and
+# SGD (Adam's update divides by the gradient's own size, which turns rounding-level differences of near-zero
+# gradients into visible ones).
+LM = ["data.packing=false", "train.max_steps=5", "train.max_grad_norm=null", "backend=auto", "optim.name=sgd",
+      "optim.lr=0.5"]
+# A run killed at a micro-batch after a checkpoint (every 5 steps) and resumed, against the uninterrupted one.
+RESUME = ["train.max_steps=16", "checkpoint.every_steps=5", "train.log_every=2"]
+
+
+def bad_text(rows):
+    rows[17]["text"] = ["not", "text"]
+    return rows
+
+
+def bad_role(rows):
+    rows[17]["messages"][0]["role"] = "robot"
+    return rows
+
+
+def bad_pair(rows):
+    rows[7]["rejected"] = rows[7]["chosen"]
+    return rows
+
+
+# task: fixtures (what its arguments take before the output folder), arguments, the equivalence runs' overrides,
+# the 1-process batch (2 processes and accumulation take half), the weights' (rtol, atol) or None, the logged
+# losses' relative tolerance (None: torch.testing.assert_close's float32 default), the eval figure compared and
+# its relative tolerance, the resumed runs' overrides, the micro-batch the run is killed at and the step it
+# resumes from, its rows, how to spoil one, the refusal's message ({data}: the file), and the cells marked slow.
+CONTRACTS = {
+    "text_classification": dict(
+        fixtures=("tiny_model", "easy_data"), args=tiny_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"],
+        eval=("loss", 1e-5), rows=lambda: synthetic_rows(100, seed=1), spoil=bad_text,
+        # 60 steps of 45 per epoch: killed mid-epoch in the second epoch, after step 50's checkpoint.
+        resume=["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10",
+                "checkpoint.keep_last=3"], kill_at=53, resumed_from=50,
+        message="data.text_column: column 'text' of data.train_file {data} holds values of several JSON types",
+        slow=()),
+    "causal_lm": dict(
+        fixtures=("word_tokenizer", "corpus"), args=lm_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=LM, eval=("loss", 1e-5), resume=RESUME, kill_at=12, resumed_from=10,
+        rows=lambda: documents(100, seed=3), spoil=bad_text,
+        message="data.text_column: column 'text' of data.train_file {data} holds values of several JSON types",
+        slow=()),
+    "masked_lm": dict(
+        fixtures=("word_tokenizer", "corpus"), args=mlm_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=LM[1:], eval=("loss", 1e-5), resume=RESUME[:2], kill_at=13, resumed_from=10,
+        rows=lambda: documents(100, seed=3), spoil=bad_text,
+        message="data.text_column: column 'text' of data.train_file {data} holds values of several JSON types",
+        slow=()),
+    "sft": dict(
+        fixtures=("chat_data",), args=sft_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=[*LM[:1], "train.max_steps=4", *LM[2:]], eval=("loss", 1e-5), resume=RESUME, kill_at=12,
+        resumed_from=10,
+        rows=lambda: review_conversations(40, seed=0), spoil=bad_role, message="unknown role 'robot'",
+        slow=("two_processes",)),
+    # DPO's runs use Adam; the losses are equal up to the order of float sums (gloo's all-reduce, then Adam):
+    # measured bitwise through step 6 and 2.6e-5 apart (3.6e-5 relative) at step 8.
+    "dpo": dict(
+        fixtures=("pair_tokenizer", "pair_data"), args=dpo_args, batch=8, weights=None, losses=1e-4,
+        overrides=["train.max_steps=8", "train.log_every=2"], eval=("reward_margin", 1e-3),
+        # The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights.
+        resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2), spoil=bad_pair,
+        message="dpo.chosen_column: the row with prompt 'review : ", slow=("two_processes", "resume")),
+}
+
+
+def test_every_task_has_a_contract():
+    assert sorted(CONTRACTS) == sorted(task_names())
+
+
+class Runs:
+    """A task's runs, each made when a check first asks for it."""
+
+    def __init__(self, task: str, request, tmp: Path):
+        self.task, self.spec, self.tmp = task, CONTRACTS[task], tmp
+        self.hf_home = request.getfixturevalue("hf_home")
+        self.inputs = [request.getfixturevalue(name) for name in self.spec["fixtures"]]
+
+    def args(self, out: Path, *extra: str):
+        return self.spec["args"](*self.inputs, out, *extra)
+
+    def equivalence(self, name: str, *extra: str) -> Path:
+        return self.args(self.tmp / name, *self.spec["overrides"], *extra)
+
+    @cached_property
+    def one(self) -> Path:
+        """1 process, the whole batch."""
+        train_ok(self.equivalence("one", f"train.batch_size={self.spec['batch']}"), self.hf_home)
+        return self.tmp / "one"
+
+    @cached_property
+    def accumulation(self) -> Path:
+        train_ok(self.equivalence("accumulation", f"train.batch_size={self.spec['batch'] // 2}",
+                                  "train.gradient_accumulation_steps=2"), self.hf_home)
+        return self.tmp / "accumulation"
+
+    @cached_property
+    def whole(self) -> Path:
+        """The uninterrupted run a killed one must equal."""
+        train_ok(self.args(self.tmp / "whole", *self.spec["resume"]), self.hf_home)
+        return self.tmp / "whole"
+
+    @cached_property
+    def two_processes(self) -> Path:
+        proc = cli_runner(self.hf_home)(self.equivalence("two", f"train.batch_size={self.spec['batch'] // 2}"),
+                                        launch="cpu_ddp.yaml")
+        assert "num_processes: 2" in proc.stdout
+        self.two_stdout = proc.stdout
+        return self.tmp / "two"
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Runs:
+    """A task's runs (the parameter), shared by the module's checks of that task."""
+    return Runs(request.param, request, tmp_path_factory.mktemp(request.param))
+
+
+def tasks(cell: str):
+    """The tasks as parameters of ``runs`` for one cell: marked slow where the task's cell is (make test-slow)."""
+    return pytest.mark.parametrize("runs", [
+        pytest.param(task, marks=[pytest.mark.slow] if cell in CONTRACTS[task]["slow"] else [])
+        for task in task_names()], indirect=True)
+
+
+def assert_equivalent(spec: dict, got: Path, expected: Path) -> None:
+    if spec["weights"]:
+        assert_same_weights(got, expected, *spec["weights"])
+    a, b = losses_by_step(got), losses_by_step(expected)
+    assert a.keys() == b.keys()
+    if spec["losses"] is None:  # the logged losses: the mean over all the step's targets
+        torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())))
+    else:
+        assert all(a[k] == pytest.approx(b[k], rel=spec["losses"]) for k in a), (a, b)
+    key, rel = spec["eval"]
+    assert summary(got)["eval"][key] == pytest.approx(summary(expected)["eval"][key], rel=rel)
+
+
+@tasks("accumulation")
+def test_gradient_accumulation_equals_one_batch(runs):
+    assert_equivalent(runs.spec, runs.accumulation, runs.one)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
+@tasks("two_processes")
+def test_two_processes_equal_one_with_double_batch(runs):
+    """Equal weights mean the two processes together saw exactly the examples of the single process's batch,
+    split into disjoint halves; the eval counts every example once."""
+    two, one = runs.two_processes, runs.one
+    assert summary(two)["num_processes"] == 2
+    assert_equivalent(runs.spec, two, one)
+    counts = {"examples", "tokens", "answers", "pairs"}
+    assert {k: v for k, v in summary(two)["eval"].items() if k in counts} == \
+        {k: v for k, v in summary(one)["eval"].items() if k in counts}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")
+@pytest.mark.parametrize("runs", ["text_classification"], indirect=True)
+def test_two_processes_share_the_cores_and_count_each_eval_example_once(runs):
+    """Launched the way users type it, with the default backend (auto): on a machine without GPUs the 2 launched
+    processes train together on the CPU, each with its share of the cores (the launcher's OMP_NUM_THREADS=1
+    overridden). Eval: 40 examples over 2 processes x 3 per batch (not a multiple of 6): each counted exactly once."""
+    two, one = runs.two_processes, runs.one
+    assert "strategy: ddp" in runs.two_stdout
+    assert f"cpu_threads: {max(1, cores() // 2)} (auto: {cores()} cores / 2 processes" in runs.two_stdout
+    two_eval, one_eval = (next(r for r in reversed(read_metrics(o)) if "eval_accuracy" in r) for o in (two, one))
+    assert two_eval["eval_examples"] == one_eval["eval_examples"] == 40
+    assert two_eval["eval_accuracy"] == one_eval["eval_accuracy"] and two_eval["eval_f1"] == one_eval["eval_f1"]
+    assert summary(two)["train"]["samples"] == 6 * 8
+
+
+@tasks("resume")
+def test_a_killed_run_resumes_bitwise(runs):
+    resumed = runs.tmp / "resumed"
+    proc = crash_then_resume(runs.hf_home, runs.args(resumed, *runs.spec["resume"]), kill_at_micro=runs.spec["kill_at"])
+    assert "resuming from" in proc.stdout and f"step_{runs.spec['resumed_from']}" in proc.stdout
+    assert_bitwise_equal_models(runs.whole, resumed)
+    assert losses_by_step(resumed) == losses_by_step(runs.whole)  # to the last bit, before and after the resume point
+    assert summary(resumed)["train"]["resumed_from_step"] == runs.spec["resumed_from"]
+    assert summary(resumed)["eval"] == summary(runs.whole)["eval"]
+
+
+@tasks("bad_row")
+def test_a_bad_row_is_refused_naming_its_column(runs):
+    data = write_jsonl(runs.tmp / "bad.jsonl", runs.spec["spoil"](runs.spec["rows"]()))
+    out = runs.tmp / "bad"
+    proc = run_captured(runs.args(out, f"data.train_file={data}"), runs.hf_home)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert runs.spec["message"].format(data=data) in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-2000:]
+    assert proc.stderr.count("error:") == 1 and not (out / "summary.json").exists()
+
+
+@tasks("dry_run")
+def test_dry_run_prints_the_plan_and_trains_nothing(runs):
+    out = runs.tmp / "dry_run"
+    proc = run_captured(runs.args(out, "--dry-run"), runs.hf_home)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "plan:" in proc.stdout and "total_steps:" in proc.stdout and "memory plan per device" in proc.stdout
+    assert not (out / "metrics.jsonl").exists() and not (out / "model").exists()
