@@ -44,14 +44,13 @@ def check(cfg, strategy: str) -> List[str]:
     return problems
 
 
-def apply(model: torch.nn.Module, cfg, device_type: str) -> torch.nn.Module:
-    """The model with adapters (a ``PeftModel``); unchanged without a ``peft`` section."""
+def apply(model: torch.nn.Module, cfg, device_type: str, task_type: Optional[str]) -> torch.nn.Module:
+    """The model with adapters (a ``PeftModel``); unchanged without a ``peft`` section. ``task_type``: peft's
+    task type for the model (``Task.peft_task_type``)."""
     p = cfg.peft
     if p is None:
         return model
     from peft import LoraConfig, get_peft_model
-
-    from framework.tasks import get_task  # the tasks use this module
 
     names = [name for name, _ in model.named_modules()]
     for wanted in p.modules_to_save:
@@ -64,7 +63,7 @@ def apply(model: torch.nn.Module, cfg, device_type: str) -> torch.nn.Module:
         _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
     try:
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
-                            modules_to_save=list(p.modules_to_save) or None, task_type=get_task(cfg.task).peft_task_type)
+                            modules_to_save=list(p.modules_to_save) or None, task_type=task_type)
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()

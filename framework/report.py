@@ -24,6 +24,7 @@ from framework import plots
 from framework.config import flatten
 from framework.errors import UserError
 from framework.trackers import TRACKER_PACKAGES
+from framework.tasks import get_task
 
 PAGE = "report.html"
 PLOTS = "plots"
@@ -279,9 +280,6 @@ def _task_sections(output_dir: Path, summary: Optional[dict], folder: Path) -> l
     if not summary or not config.exists():
         return []
     import yaml
-
-    from framework.errors import UserError
-    from framework.tasks import get_task
 
     try:
         task = get_task(str((yaml.safe_load(config.read_text()) or {}).get("task")))

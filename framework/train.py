@@ -100,7 +100,8 @@ def setup(cfg: RunConfig) -> Run:
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
         model, tokenizer = data.load(task, mesh)
-    model = backend.tensor_parallel_model(accelerator, adapters.apply(model, cfg, accelerator.backend.type))
+    model = adapters.apply(model, cfg, accelerator.device.type, task.peft_task_type)
+    model = backend.tensor_parallel_model(accelerator, model)
     # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
     task = task.for_run(model, accelerator, cfg)
 

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from conftest import ROOT
+from helpers import ROOT
 
 from framework import backend
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, tiny_args
+from helpers import TINY_RECIPE, tiny_args
 from framework import train
 from framework.config import load_config
 from framework.step import StepResult, SupervisedStep

@@ -19,9 +19,9 @@ TOY = "task=tests/toy_task.py:ToyTask"
 @pytest.fixture(autouse=True)
 def own_registry(monkeypatch):
     """The toy registers itself for its test only: later tests' schema (config.yaml, keys.md) has no toy section."""
-    import framework.tasks
+    import framework.tasks.base
 
-    monkeypatch.setattr(framework.tasks, "_REGISTRY", dict(framework.tasks._REGISTRY))
+    monkeypatch.setattr(framework.tasks.base, "_REGISTRY", dict(framework.tasks.base._REGISTRY))
     monkeypatch.chdir(ROOT)  # the recipe names the task's file relative to the repository
 
 

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import register
+from framework.tasks.base import register
 from framework.tasks.language import IGNORE, LanguageModel, check_causal, pretrained_causal_config, pretrained_causal_lm
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this

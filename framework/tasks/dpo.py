@@ -36,7 +36,7 @@ from datasets.fingerprint import Hasher
 
 from framework import adapters, backend, chat, data, losses
 from framework.errors import UserError
-from framework.tasks import register
+from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM
 from framework.tasks.language import IGNORE, pretrained_causal_config, pretrained_causal_lm
 

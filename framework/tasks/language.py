@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from framework import backend, losses
 from framework.errors import UserError
 from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
-from framework.tasks import MODEL_ERRORS, Task
+from framework.tasks.base import MODEL_ERRORS, Task
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

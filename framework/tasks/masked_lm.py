@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, register
+from framework.tasks.base import MODEL_ERRORS, register
 from framework.tasks.language import IGNORE, LanguageModel
 
 INDEX = "index"  # the example's row number, which seeds its masks

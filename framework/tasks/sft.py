@@ -31,7 +31,8 @@ import torch
 
 from framework import chat, data
 from framework.errors import UserError
-from framework.tasks import language, register
+from framework.tasks import language
+from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM, packing
 from framework.tasks.language import IGNORE, pretrained_causal_config, pretrained_causal_lm
 

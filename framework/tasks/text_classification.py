@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data, plots
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, ReportSection, Task, register
+from framework.tasks.base import MODEL_ERRORS, ReportSection, Task, register
 
 LABELS = "labels"  # the column transformers models read the targets from
 

@@ -1,0 +1,224 @@
+"""The task interface (:class:`Task`, documented in framework/tasks/__init__.py) and the registry of tasks by
+recipe name."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import datasets
+import numpy as np
+import torch
+from huggingface_hub.errors import StrictDataclassError
+
+from framework.config import core_keys
+from framework.errors import UserError
+from framework.memory import Workload
+from framework.step import Step, SupervisedStep
+
+# What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
+# size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
+MODEL_ERRORS = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
+
+
+@dataclasses.dataclass
+class ReportSection:
+    """A section a task adds to report.html: a table, and the plots it drew for it."""
+
+    title: str
+    header: Sequence[str]
+    rows: List[Sequence]
+    plots: List[Path] = dataclasses.field(default_factory=list)
+
+
+class Task:
+    name: str
+    pipeline: str  # what model/ loads as in transformers.pipeline()
+    metric: str  # the headline metric, printed at the end
+    lower_is_better = ("loss", "perplexity")
+    token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
+    reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
+    harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
+    sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
+    options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
+    # peft's task type for its model (LoRA): what the wrapped model's forward accepts and, for classification, the
+    # new head (``classifier`` or ``score``) kept trainable; None: peft's default.
+    peft_task_type: Optional[str] = None
+    moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
+
+    def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
+        """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
+        or a copy holding the recipe's loss settings and what the run needs beside the model (placed on
+        ``accelerator.device``)."""
+        return self
+
+    def frozen_models(self) -> List[torch.nn.Module]:
+        """Models this task holds on the device beside the trained one, never trained nor saved (the memory plan
+        counts their weights)."""
+        return []
+
+    def workload(self, cfg, model: torch.nn.Module) -> Workload:
+        """What the memory plan counts of this task beside the model's states: its sequences (length, rows per
+        example), its logits and frozen models (call it on the task ``for_run`` returned)."""
+        return Workload(seq_length=self.sequence_length(cfg, model), sequences=self.sequences_per_example,
+                        token_logits=self.token_logits, logits_chunk=self.logits_chunk(model),
+                        frozen=self.frozen_models())
+
+    def check(self, cfg) -> List[str]:
+        """Problems with the recipe keys this task reads, each naming its key."""
+        return []
+
+    def logits_chunk(self, model: torch.nn.Module) -> Optional[int]:
+        """Tokens whose logits the loss holds at once (the memory plan counts them), None for all of them."""
+        return None
+
+    def columns(self, cfg) -> Dict[str, str]:
+        """Recipe key -> column name, for every column a row must have."""
+        raise NotImplementedError
+
+    def keep_row(self, cfg):
+        """A row filter (``row -> bool``) for unusable rows, or None."""
+        return None
+
+    def load(self, cfg, train: datasets.Dataset, evaluation: datasets.Dataset) -> Tuple[torch.nn.Module, object]:
+        """(model, tokenizer); the raw rows are there for what the model's shape depends on (the labels)."""
+        raise NotImplementedError
+
+    def prepare(self, ds: datasets.Dataset, tokenizer, model: torch.nn.Module, cfg) -> datasets.Dataset:
+        """Raw rows -> features (cached by the datasets fingerprint of everything they depend on)."""
+        raise NotImplementedError
+
+    def sequence_length(self, cfg, model: torch.nn.Module) -> int:
+        """The longest row, in tokens: the largest padding bucket on XLA."""
+        return cfg.data.max_length
+
+    def collator(self, tokenizer, cfg, buckets: Optional[List[int]], rows: Optional[int] = None):
+        """Features -> a batch. ``buckets``: the lengths to pad to (static shapes), None for dynamic padding;
+        ``rows``: evaluation on static shapes fills a short last batch up to ``rows`` and marks the real rows
+        in a ``valid`` column."""
+        raise NotImplementedError
+
+    def targets(self, batch: Dict[str, torch.Tensor]):
+        """What the batch's loss is normalised by (an int, or a device tensor for a count only the data knows)."""
+        raise NotImplementedError
+
+    def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, cfg) -> "Step":
+        """The optimizer step the loop runs over each step's micro-batches."""
+        return SupervisedStep()
+
+    def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def metric_names(self) -> Tuple[str, ...]:
+        raise NotImplementedError
+
+    def greater_is_better(self, name: str) -> bool:
+        return name not in self.lower_is_better
+
+    def notes(self, cfg, train_ds: Optional[datasets.Dataset], eval_ds: datasets.Dataset) -> List[str]:
+        """Lines for the plan about the prepared data (rows dropped or truncated); ``train_ds`` is None for a stream."""
+        return []
+
+    def sample(self, model: torch.nn.Module, tokenizer, cfg, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
+        """Something to read at the end of a run (a generation), logged and written into summary.json."""
+        return None
+
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Sections of report.html from a finished run (its summary.json, ``summary``; the files in
+        ``output_dir``), their plots drawn into ``plots_dir``."""
+        return []
+
+
+_REGISTRY: Dict[str, Task] = {}
+
+
+def register(name: str):
+    """Class decorator: the task ``task: NAME`` in a recipe trains (one instance of the class)."""
+    def add(cls: type) -> type:
+        cls.name = name
+        _REGISTRY[name] = cls()
+        return cls
+    return add
+
+
+def registered() -> Tuple[str, ...]:
+    """The names of the tasks registered so far: the built-in ones, then those recipes named by their class."""
+    return tuple(_REGISTRY)
+
+
+def get_task(name: str) -> Task:
+    """The task a recipe's ``task`` names: a registered one, or ``FILE.py:Class`` / ``package.module:Class``,
+    loaded and registered on first use. A name that is neither is a UserError naming ``task``."""
+    if name not in _REGISTRY:
+        if ":" not in name:
+            raise UserError(f"task: {name!r} is not a task; use one of {', '.join(registered())}, or name your own "
+                            "Task subclass as path/to/file.py:ClassName or package.module:ClassName")
+        _load(name)
+    return _REGISTRY[name]
+
+
+def _load(spec: str) -> None:
+    where, _, class_name = spec.rpartition(":")
+    fix = "write task: path/to/file.py:ClassName or task: package.module:ClassName, naming a Task subclass"
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise UserError(f"task: {spec!r}: {path} does not exist (relative paths start at {Path.cwd()}); {fix}")
+            module_name = "framework_user_task_" + re.sub(r"\W", "_", str(path.resolve()))
+            module = sys.modules.get(module_name)  # the file under another spelling of its path: loaded once
+            if module is None:
+                found = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(found)
+                sys.modules[module_name] = module  # dataclasses look their module up while the file runs
+                try:
+                    found.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
+        else:
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except Exception as e:  # the user's code: any error it raises on import is theirs to fix
+        raise UserError(f"task: {spec!r}: importing {where} failed ({type(e).__name__}: {e}); {fix}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise UserError(f"task: {spec!r}: {where} has no Task subclass named {class_name!r}; {fix}")
+    same = [task for task in _REGISTRY.values() if type(task) is cls]
+    if same:  # already registered under another spelling
+        _REGISTRY[spec] = same[0]
+        return
+    options = cls.options
+    if options is not None:
+        name = options[0] if isinstance(options, tuple) and len(options) == 2 else None
+        if not (isinstance(name, str) and dataclasses.is_dataclass(options[1])) or name in core_keys() or any(
+                t.options and t.options[0] == name for t in _REGISTRY.values()):
+            raise UserError(f"task: {spec!r}: {class_name}.options must be (section name, dataclass) with a section "
+                            "name no other key or task uses, e.g. options = (\"mytask\", MyTaskConfig)")
+    try:
+        register(spec)(cls)
+    except Exception as e:
+        raise UserError(f"task: {spec!r}: {class_name}() failed ({type(e).__name__}: {e}); a task must be "
+                        "constructible without arguments") from None
+
+
+def sections() -> Dict[str, type]:
+    """Section name -> its dataclass, for every registered task that has options."""
+    return dict(t.options for t in _REGISTRY.values() if t.options)
+
+
+def task_keys() -> Tuple[str, ...]:
+    """Every task-specific key: those some task reads (the others are shared by all tasks)."""
+    return tuple(dict.fromkeys(key for task in _REGISTRY.values() for key in task.reads))
