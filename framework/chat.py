@@ -259,10 +259,6 @@ def common_prefix_length(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def _common_prefix(a: str, b: str) -> int:
-    return len(a) if b.startswith(a) else common_prefix_length(a, b)
-
-
 def snippet(value: Any, limit: int = 80) -> str:
     """A value as JSON, cut to ``limit`` characters: a row named in a message."""
     text = json.dumps(value, default=str, ensure_ascii=False)
