@@ -97,7 +97,7 @@ class RunData:
         return task.notes(self.cfg, self.train_ds, self.eval_ds)
 
     def _check_size(self, replicas: int) -> None:
-        """Refuse training data smaller than one optimizer step."""
+        """Refuse training data smaller than one optimizer step (rows in memory; a stream's size is not known)."""
 
     def _train_loader(self, accelerator, task, tokenizer, model, batch_size: int):
         raise NotImplementedError
