@@ -1,8 +1,8 @@
 """Generating in the middle of training leaves training as it was: a tiny GPT-2 trained 6 steps with a greedy
 generation inside ``backend.generating`` after step 3 ends with the very weights (bitwise) of the same 6 steps
 without it. Dropout is on, so a model left in eval mode would train differently. ``fsdp``: on 2 CPU processes under
-FSDP2 (launched by tests/test_fsdp.py, as tests/scripts/fsdp_contract.py); ``xla``: one XLA device
-(tests/test_xla.py); ``plain``: one process."""
+FSDP2 (launched by tests/test_fsdp.py, as tests/scripts/fsdp_contract.py); ``plain``: one process
+(tests/test_backend.py)."""
 
 import sys
 from pathlib import Path
@@ -53,9 +53,6 @@ def main() -> None:
                                                 cpu_ram_efficient_loading=False)
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
         assert backend.fsdp2_on_cpu_processes(accelerator, plugin) and accelerator.num_processes == 2
-    elif sys.argv[1] == "xla":  # one XLA device (PJRT_DEVICE=CPU in the tests): generation runs on a host copy
-        accelerator = Accelerator()
-        assert backend.on_xla(accelerator)
     else:
         accelerator = Accelerator(cpu=True)
     without = train(accelerator, generate_at=0)
