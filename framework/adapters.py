@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from framework import hub
 from framework.errors import UserError
 
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
@@ -41,6 +42,10 @@ def check(cfg, strategy: str) -> List[str]:
                         "the peft section")
     if p.quantize and cfg.backend == "xla":
         problems.append(NO_4BIT_ON_XLA)
+    if hub.is_gguf(cfg.model.name_or_path or "") and not p.merge:
+        problems.append("peft.merge: an adapter's base must be a model folder peft can load, and a GGUF file is "
+                        "not one; set peft.merge=true (model/ then holds the merged model) or point "
+                        "model.name_or_path at a model folder")
     return problems
 
 

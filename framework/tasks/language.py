@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from framework import backend, losses
+from framework import backend, hub, losses
 from framework.errors import UserError
 from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
 from framework.tasks.base import MODEL_ERRORS, Task
@@ -106,7 +106,7 @@ class LanguageModel(Task):
         m = cfg.model
         key, name = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.name_or_path", m.name_or_path)
         try:
-            return AutoTokenizer.from_pretrained(name), key
+            return hub.from_pretrained(AutoTokenizer, name), key
         except MODEL_ERRORS as e:
             raise UserError(f"{key}: cannot load a tokenizer from '{name}': {str(e).splitlines()[0]}") from None
 
@@ -169,7 +169,7 @@ def pretrained_causal_config(m):
     if m.config is not None:
         return None
     try:
-        config = AutoConfig.from_pretrained(m.name_or_path)
+        config = hub.from_pretrained(AutoConfig, m.name_or_path)
     except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}': {str(e).splitlines()[0]}") from None
     overrides = m.config_overrides or {}
@@ -186,7 +186,7 @@ def pretrained_causal_config(m):
 def pretrained_causal_lm(m, config):
     """The pretrained causal LM of the recipe's ``model`` section, with its config (``pretrained_causal_config``)."""
     try:
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config)
+        return hub.from_pretrained(AutoModelForCausalLM, m.name_or_path, config=config)
     except MODEL_ERRORS as e:
         raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a causal language model: "
                         f"{str(e).splitlines()[0]}") from None

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForMaskedLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from framework import data
+from framework import data, hub
 from framework.errors import UserError
 from framework.tasks.base import MODEL_ERRORS, register
 from framework.tasks.language import IGNORE, LanguageModel
@@ -44,8 +44,9 @@ class MaskedLM(LanguageModel):
             model = self.from_config(AutoModelForMaskedLM, config)
         else:
             try:
-                _check_kind(AutoConfig.from_pretrained(m.name_or_path).model_type, f"model.name_or_path: '{m.name_or_path}'")
-                model = AutoModelForMaskedLM.from_pretrained(m.name_or_path)
+                _check_kind(hub.from_pretrained(AutoConfig, m.name_or_path).model_type,
+                            f"model.name_or_path: '{m.name_or_path}'")
+                model = hub.from_pretrained(AutoModelForMaskedLM, m.name_or_path)
             except MODEL_ERRORS as e:
                 raise UserError(f"model.name_or_path: cannot load '{m.name_or_path}' as a masked language model: "
                                 f"{str(e).splitlines()[0]}") from None

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from framework import data, plots
+from framework import data, hub, plots
 from framework.errors import UserError
 from framework.tasks.base import MODEL_ERRORS, ReportSection, Task, register
 
@@ -70,9 +70,9 @@ class TextClassification(Task):
         label_names = _label_names(train, evaluation, cfg.data)
         name = cfg.model.name_or_path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or name)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                name,
+            tokenizer = hub.from_pretrained(AutoTokenizer, cfg.model.tokenizer or name)
+            model = hub.from_pretrained(
+                AutoModelForSequenceClassification, name,
                 num_labels=len(label_names),
                 id2label=dict(enumerate(label_names)),
                 label2id={label: i for i, label in enumerate(label_names)},

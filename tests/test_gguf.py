@@ -1,0 +1,93 @@
+"""A GGUF file as ``model.name_or_path``: transformers reads it, the framework dequantizes it into an ordinary
+float32 model and trains it as it trains the same weights saved as a folder; tools/assets.py's conversion of one
+into a model folder (what `make install` does for SmolLM2); files it cannot read are refused with exit 2. The GGUF
+here is a tiny random Llama written with the gguf library, carrying SmolLM2's metadata (its 49,152-token
+tokenizer, ChatML template, special ids, tied output)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from helpers import ROOT, TINY_LM, assert_same_weights, tiny_gguf, train_losses
+from in_process import run_main
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(gguf_file, tmp_path_factory):
+    """The file converted by tools/assets.py, which checks the folder's logits against the GGUF model's."""
+    spec = importlib.util.spec_from_file_location("assets", ROOT / "tools" / "assets.py")
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    folder = tmp_path_factory.mktemp("converted") / "tiny-llama"
+    assert assets.write_gguf_model(gguf_file, folder) == 0.0
+    return folder
+
+
+def test_the_converted_folder_is_an_ordinary_chat_model(gguf_folder):
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf_folder)
+    assert (config.model_type, config.vocab_size, config.num_hidden_layers, config.tie_word_embeddings) == \
+        ("llama", 49152, 2, True)
+    assert getattr(config, "quantization_config", None) is None
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, len(tokenizer)) == ("<|im_end|>", 2, 49152)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), text
+    assert GenerationConfig.from_pretrained(gguf_folder).eos_token_id == 2
+
+
+def sft(model, chat_data, out, *extra):
+    """tests/tiny_lm.yaml as sft from a pretrained ``model``, with the model's own chat template."""
+    return ["--config", str(TINY_LM), "task=sft", "model.config=null", "model.tokenizer=null",
+            f"model.name_or_path={model}", f"data.train_file={chat_data[1]}", f"output_dir={out}",
+            "train.max_steps=3", "data.block_size=64", *extra]
+
+
+def test_a_gguf_file_trains_as_its_converted_folder_does(gguf_file, gguf_folder, chat_data, hf_home, tmp_path):
+    from_file, from_folder = tmp_path / "file", tmp_path / "folder"
+    assert run_main(sft(gguf_file, chat_data, from_file), hf_home) == 0
+    assert run_main(sft(gguf_folder, chat_data, from_folder), hf_home) == 0
+    losses = train_losses(from_file)
+    assert losses == train_losses(from_folder) and len(losses) == 3 and all(0 < x < 20 for x in losses), losses
+    assert_same_weights(from_file, from_folder, rtol=0, atol=0)
+    config = json.loads((from_file / "model" / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+
+
+def test_lora_on_a_gguf_file_saves_the_merged_model_or_is_refused(gguf_file, gguf_folder, chat_data, hf_home,
+                                                                 tmp_path, capsys):
+    """peft cannot load an adapter's base from a GGUF file: model/ must hold the merged model."""
+    assert run_main(sft(gguf_file, chat_data, tmp_path / "unmerged", "peft.r=4"), hf_home) == 2
+    err = capsys.readouterr().err
+    assert "peft.merge" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "unmerged").exists()
+    out = tmp_path / "merged"
+    assert run_main(sft(gguf_file, chat_data, out, "peft.r=4", "peft.merge=true"), hf_home) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")
+    base = AutoModelForCausalLM.from_pretrained(gguf_folder)
+    changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
+    assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed), changed
+
+
+@pytest.mark.parametrize("content, says", [(b"\x00" * 4096, "GGUF magic"), (None, "does not exist")])
+def test_a_gguf_file_it_cannot_read_is_refused(content, says, chat_data, hf_home, tmp_path, capsys):
+    bad = tmp_path / "model.gguf"
+    if content is not None:
+        bad.write_bytes(content)
+    assert run_main(sft(bad, chat_data, tmp_path / "out"), hf_home) == 2
+    err = capsys.readouterr().err
+    assert "model.name_or_path" in err and says in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
