@@ -9,7 +9,7 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
-.PHONY: install run test test-slow test-cpu test-gpu install-xla test-xla bench fuzz
+.PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz
 
 install: $(VENV)/.installed assets/.ready
 
@@ -42,13 +42,20 @@ run: install
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-cpu test-xla
 
-# The tests marked slow: the real recipes as written (the pretrained MiniLM on Rotten Tomatoes, the Hamlet LM;
-# minutes each) and variants of runs make test checks (LoRA and a causal LM over SPMD on XLA). .ci/run runs them
-# after make test.
-test-slow: install install-xla
+# The tests marked slow: the real recipes as written (the pretrained MiniLM on Rotten Tomatoes; SmolLM2 on Hamlet,
+# SFT and the sft -> dpo chain; minutes each) and variants of runs make test checks (LoRA and a causal LM over SPMD
+# on XLA), the CPU and XLA tiers side by side as in make test. .ci/run runs them after make test.
+test-slow:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-slow-cpu test-slow-xla
+
+test-slow-cpu: install
 	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
+
+test-slow-xla: install-xla
 ifeq ($(XLA_PLATFORM),yes)
 	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests
+else
+	@echo "test-slow-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
 
 # The bad-input fuzzing harness (tests/test_fuzz_inputs.py) with a larger budget than make test's: FUZZ_EXAMPLES

@@ -4,7 +4,7 @@ transformers' own loss (``model(input_ids, labels=...).loss``, full logits) and 
     .venv/bin/python benchmarks/chunked_loss.py [--rounds 3] [--steps 4] [--cases 50257x16x128,...]
         [--sides hf,chunked,trl,cce] [--cap-gib 4] [--max-gib 14] [--json results.json]
 
-The model is the default causal_lm recipe's (recipes/causal_lm.yaml: GPT-2, 4 layers, 128 wide, from scratch,
+The model is the default causal_lm recipe's (recipes/examples/causal_lm_from_scratch.yaml: GPT-2, 4 layers, 128 wide, from scratch,
 fp32) with the recipe's AdamW (torch's fused kernel), on random token blocks, every token a target. A case is
 VOCAB x BATCH x LENGTH. Each (side, case) is measured in a fresh process (``--child``): 2 warm-up steps
 (torch.compile's compilation for cce), then ``--steps`` timed steps (forward, loss, backward, clip, AdamW step, zero_grad), on the CPU under the

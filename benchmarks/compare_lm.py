@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/compare_lm.py [--steps 30] [--warmup-steps 5] [--rounds 5] [--threads N]
         [--device cpu|gpu] [--raw-nomask] [--set KEY=VALUE ...] [--json results.json]
 
-The default LM recipe (``recipes/causal_lm.yaml``: a 4-layer GPT-2, n_embd 128, from scratch, on Hamlet in
+The default LM recipe (``recipes/examples/causal_lm_from_scratch.yaml``: a 4-layer GPT-2, n_embd 128, from scratch, on Hamlet in
 packed 128-token blocks with the GPT-2 BPE, batch 16, AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1,
 cosine schedule with 5% warmup, clipping at 1.0) trained for the same number of optimizer steps
 (``--warmup-steps`` + ``--steps``) by three sides, each in its own process:
 
-- framework: the real CLI, ``python recipes/run.py --config recipes/causal_lm.yaml train.max_steps=N
+- framework: the real CLI, ``python recipes/run.py --config recipes/examples/causal_lm_from_scratch.yaml train.max_steps=N
   output_dir=DIR`` plus ``eval.every_steps`` beyond the run and ``checkpoint.every_minutes=null``: a run of
   more than one epoch (Hamlet makes 22 steps) would otherwise evaluate at every epoch's end, and save
   a checkpoint every 2 minutes, inside the measured steps. It still evaluates once at the end, saves the
@@ -66,7 +66,7 @@ from typing import ClassVar, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-LM_RECIPE = ROOT / "recipes" / "causal_lm.yaml"
+LM_RECIPE = ROOT / "recipes" / "examples" / "causal_lm_from_scratch.yaml"
 FAR = 10 ** 9  # a step count beyond any run: eval.every_steps that never comes
 
 
@@ -331,7 +331,7 @@ def main() -> None:
     if not cfg.data.block_size or cfg.data.packing is False:
         sys.exit("compare_lm.py counts batch x data.block_size tokens per step: keep packing and a block size")
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    case = LMCase("causal_lm", "The causal-LM recipe (recipes/causal_lm.yaml): framework vs raw accelerate vs "
+    case = LMCase("causal_lm", "The causal-LM recipe (recipes/examples/causal_lm_from_scratch.yaml): framework vs raw accelerate vs "
                   "transformers.Trainer", args.overrides, steps=args.warmup_steps + args.steps,
                   skip=args.warmup_steps, batch=cfg.train.batch_size, block=cfg.data.block_size, threads=threads,
                   raw_nomask=args.raw_nomask)

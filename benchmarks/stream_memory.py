@@ -1,7 +1,7 @@
 """Streaming memory: the peak RSS of the same streamed run over a ~10 MB and a ~500 MB corpus.
 
 The corpora are generated from Hamlet's paragraphs (assets/hamlet.txt) in a random order, as shards of
-.txt files; the run is recipes/causal_lm.yaml with ``data.streaming=true`` and the same ``train.max_steps``
+.txt files; the run is recipes/examples/causal_lm_from_scratch.yaml with ``data.streaming=true`` and the same ``train.max_steps``
 over both. Each run is its own process, which reports its own peak RSS (``ru_maxrss``). Target: the large
 corpus's peak at most 1.2x the small one's (memory must not grow with the corpus).
 
@@ -50,7 +50,7 @@ def child(args) -> None:
 
 
 def run(corpus: Path, out: Path, steps: int) -> dict:
-    args = ["--config", str(ROOT / "recipes" / "causal_lm.yaml"), f"data.train_file={corpus}/*.txt",
+    args = ["--config", str(ROOT / "recipes" / "examples" / "causal_lm_from_scratch.yaml"), f"data.train_file={corpus}/*.txt",
             "data.streaming=true", f"train.max_steps={steps}", "checkpoint.every_minutes=null", f"output_dir={out}"]
     proc = subprocess.run([sys.executable, __file__, "--child", *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

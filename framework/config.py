@@ -753,7 +753,7 @@ def _cross_checks(cfg: RunConfig) -> List[str]:
     if cfg.model.name_or_path and cfg.model.config is not None:
         problems.append("set model.name_or_path (a pretrained model) or model.config (a model from scratch), not both; "
                         "without --config the default recipe sets model.name_or_path: start from --config "
-                        "recipes/causal_lm.yaml, or add model.name_or_path=null")
+                        "recipes/examples/causal_lm_from_scratch.yaml, or add model.name_or_path=null")
     if cfg.task not in registered():
         problems.append(f"task: {cfg.task!r} is not a task; use one of {', '.join(registered())}")
     else:

