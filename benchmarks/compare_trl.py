@@ -1,0 +1,492 @@
+"""Post-training: the framework against TRL (SFTTrainer, DPOTrainer), the same jobs side by side in one run.
+
+    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora] [--steps 10] [--rounds 3]
+        [--skip-steps 2] [--train-rows 480] [--eval-rows 100] [--threads N]
+        [--gradient-checkpointing defaults|off|on] [--fixed-seed] [--no-warmup] [--set KEY=VALUE ...]
+        [--json results.json]
+
+Three jobs on SmolLM2-135M-Instruct (``assets/SmolLM2-135M-Instruct``: Llama, tied embeddings, ChatML template),
+fp32 on the CPU, each run for ``--steps`` optimizer steps (default 10) by two sides, each in its own process:
+
+- framework: the real CLI, ``python recipes/run.py --config RECIPE train.max_steps=N output_dir=DIR ...``;
+- TRL: ``compare_trl.py --side trl --config RECIPE ...`` (this file, below): ``trl.SFTTrainer`` with ``SFTConfig``
+  or ``trl.DPOTrainer`` with ``DPOConfig``, given the model folder's path as a user gives it (TRL loads the model
+  and its tokenizer), on TRL's own defaults except what the job fixes.
+
+The jobs:
+
+- ``sft_lora``: ``recipes/sft.yaml``: LoRA r 16, alpha 32 on all linear layers, lr 1e-3, cosine, warmup ratio
+  0.05, weight decay 0.01, batch 8, conversations packed into 128-token blocks (TRL: ``packing=True,
+  max_length=128``; ``peft.LoraConfig`` from the recipe's ``peft`` section);
+- ``sft_full``: the same, full fine-tuning: ``peft=null optim.lr=3e-5`` (TRL: no ``peft_config``);
+- ``dpo_lora``: ``recipes/dpo.yaml``: sigmoid loss, beta 0.1, LoRA as above (the reference is the model with
+  its adapters off on both sides), lr 5e-4, batch 8, max_length 128.
+
+Same data: the SmolLM2 template has no ``{% generation %}`` markers, so TRL's ``assistant_only_loss`` cannot be
+used; both SFT sides instead train on prompt/completion conversations (TRL's default for such rows: loss on the
+completion only; the framework's ``sft.train_on=completion``). The parent writes them from
+``assets/rotten_tomatoes_pairs.jsonl`` (its ``prompt`` and ``chosen`` columns): the first ``--train-rows`` rows to
+a train file, the next ``--eval-rows`` to an eval file; DPO gets the same rows with all three columns. Both
+sides read those two files (the framework with ``data.train_file``, ``data.eval_file`` and no row caps).
+
+Same settings by construction: both sides get the same recipe and overrides, and the TRL side resolves them
+with the framework's config loader (``common.read_recipe``); its ``SFTConfig``/``DPOConfig`` takes the recipe's
+seed, steps, batch, lr, weight decay, Adam's betas and eps, schedule, warmup ratio and clipping
+(``common.recipe_training_args``), the sequence length and packing, the DPO loss, beta and reference setting,
+and ``bf16=False``, ``report_to="none"``. Beyond what a user must write, as in ``trainer_job.py``: TRL's eval
+batch is the framework's (twice the train batch for SFT, the dpo recipe's 32), and neither side saves a
+resumable checkpoint (framework ``checkpoint.every_minutes=null``; TRL ``save_strategy="no"``): both train,
+evaluate once at the end (framework ``eval.every_steps`` beyond the run; TRL ``trainer.evaluate()``) and save
+the model (the framework merges LoRA and saves the adapter beside it, as its recipes ask; TRL
+``trainer.save_model()`` writes the adapter alone). The probe records each run's optimizer (its kernel,
+hyperparameters and parameter groups) and the output says whether they match.
+
+Gradient checkpointing (``--gradient-checkpointing``): TRL turns it on by default, the framework does not.
+``defaults`` (the default) leaves each side on its own default, as users get them, and the table says so;
+``off`` and ``on`` set the same on both (``train.gradient_checkpointing``, which the TRL side reads too).
+
+What stays different (each side's own design, not equalized here): TRL packs SFT rows best-fit decreasing and
+trains a batch padding-free, as one flattened row whose attention the model masks block-diagonally from
+``position_ids``, while the framework packs conversations in order, each block a row of the batch; so the
+blocks, the tokens per step and the attention work differ. Each side shuffles with its own sampler seeded by
+the same seed: on the DPO rows, the same on both sides, they draw the same pairs in the same order (checked in
+a 2-step run: the same tokens at each step, eval losses within 1e-7). TRL's eval loss is the mean of its eval
+batches' means, the framework's the mean over every eval target token (DPO: both the mean over pairs). The
+framework keeps large CPU buffers between steps (``framework/backend/cpu.py``), TRL has glibc's default.
+
+Seeds: round i runs both sides with the recipe's seed + i (``--fixed-seed``: the recipe's seed in every round),
+so the spread over rounds shows how far the losses move with the seed (LoRA's initialisation, the data order)
+and a reader can tell whether the sides' loss difference is within it. Threads: both sides compute with
+``--threads`` (default: the cores this process may run on, the framework's ``auto``): OMP_NUM_THREADS for
+both, ``train.cpu_threads`` for the framework, which the TRL side passes to ``torch.set_num_threads``; the probe
+records ``torch.get_num_threads()`` in each.
+
+Measurement (compare_loops.py's Bench runs the children, its probe is loaded into each): per run,
+
+- total wall: process start to exit (``os.wait4``), model loading, tokenization, the final eval and save included;
+- time to first step: start to the end of optimizer step 1;
+- steady tokens/s: the non-padding tokens put through the model (prompt and completion; DPO: chosen and
+  rejected sequences) in steps ``--skip-steps``+1 .. ``--steps``, over the wall time from the end of step
+  ``--skip-steps`` to the end of the last step (the probe's optimizer-step hook, the same in both processes).
+  Tokens per step: the framework's own log (``train.log_every=1``: metrics.jsonl ``tokens_per_second`` x the
+  step's seconds, from ``samples_per_second``), which counts the batch's attention mask; on the TRL side the
+  batch each ``training_step`` gets, its attention mask's sum (DPO) or, padding-free (SFT), its length;
+- peak memory: the child's peak RSS (``ru_maxrss`` of ``os.wait4``);
+- final train loss: the loss of the last step (its batch's mean over target tokens, or over pairs), as passed
+  to ``backward`` (the probe; for the framework its logged loss of that step is kept as a cross-check);
+- eval loss: each side's own, over the eval rows, after the last step.
+
+One unmeasured warm-up run of each side per job (2 steps; ``--no-warmup`` skips it) first fills the datasets
+cache (a fresh HF_HOME) and the OS file cache. Then each round runs both sides back to back, the side that
+goes first alternating from round to round. Each table gives the median over rounds and the spread
+(min-max); the ratios framework / TRL are the median (and min-max) over rounds of each round's ratio. No
+target: this says where the framework stands against TRL, it checks nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import ClassVar, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PAIRS = ROOT / "assets" / "rotten_tomatoes_pairs.jsonl"
+FAR = 10 ** 9  # a step count beyond any run: eval.every_steps that never comes
+DEFAULT_CHECKPOINTING = "--trl-default-checkpointing"  # the TRL side keeps TRL's gradient checkpointing default
+
+
+# ---------------------------------------------------------------- the TRL side (a child)
+
+
+def trl_side(argv: List[str]) -> None:
+    """``compare_trl.py --side trl [--trl-default-checkpointing] [--config RECIPE] KEY=VALUE...``: the recipe's
+    job with TRL, written as a TRL user writes it; writes ``summary.json`` (steps, eval figures, tokens per
+    step) in ``output_dir``."""
+    keep_default = DEFAULT_CHECKPOINTING in argv
+    sys.argv = [sys.argv[0], *[a for a in argv if a != DEFAULT_CHECKPOINTING]]
+    from common import read_recipe, recipe_training_args
+
+    cfg = read_recipe(loop_only=False)
+    t = cfg.train
+    if cfg.precision != "no" or cfg.optim.name != "adamw" or cfg.optim.param_groups:
+        sys.exit("the TRL side mirrors fp32 training with plain AdamW (precision: no, optim.name: adamw)")
+    if not t.max_steps or not cfg.data.train_file or not cfg.data.eval_file:
+        sys.exit("the TRL side needs train.max_steps, data.train_file and data.eval_file")
+    if cfg.task == "sft" and cfg.sft.train_on != "completion":
+        sys.exit("the TRL side trains SFT on prompt/completion rows: sft.train_on=completion")
+    if cfg.task == "dpo" and cfg.dpo.loss not in ("sigmoid", "ipo"):
+        sys.exit("DPOTrainer has the sigmoid and ipo losses (simpo is CPOTrainer's)")
+    if cfg.task not in ("sft", "dpo"):
+        sys.exit("compare_trl.py runs the sft and dpo tasks")
+
+    import torch
+
+    if isinstance(t.cpu_threads, int):  # the parent always passes a number: the framework's count
+        torch.set_num_threads(t.cpu_threads)
+    import trl
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+
+    data = load_dataset("json", data_files={"train": cfg.data.train_file, "eval": cfg.data.eval_file})
+    settings = dict(
+        **recipe_training_args(cfg),
+        bf16=False, fp16=False, report_to="none",
+        per_device_eval_batch_size=t.eval_batch_size or 2 * t.batch_size,  # the framework's eval batch
+        save_strategy="no",  # no resumable checkpoint; the model is saved at the end
+        **({} if keep_default else {"gradient_checkpointing": t.gradient_checkpointing}),
+    )
+    p = cfg.peft
+    if p is not None and p.quantize:
+        sys.exit("the TRL side does not mirror peft.quantize")
+    peft_config = None if p is None else LoraConfig(
+        r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
+        modules_to_save=p.modules_to_save or None, task_type="CAUSAL_LM")
+    if cfg.task == "sft":
+        # data.packing null means packed; data.block_size null, the model's positions up to 1024 (here 1024).
+        args = trl.SFTConfig(**settings, max_length=cfg.data.block_size or 1024,
+                             packing=cfg.data.packing is not False)
+        trainer = trl.SFTTrainer(model=cfg.model.name_or_path, args=args, train_dataset=data["train"],
+                                 eval_dataset=data["eval"], peft_config=peft_config)
+    else:
+        args = trl.DPOConfig(**settings, max_length=cfg.data.max_length, beta=cfg.dpo.beta,
+                             loss_type=[cfg.dpo.loss], precompute_ref_log_probs=cfg.dpo.precompute_reference)
+        trainer = trl.DPOTrainer(model=cfg.model.name_or_path, args=args, train_dataset=data["train"],
+                                 eval_dataset=data["eval"], peft_config=peft_config)
+
+    # Tokens per optimizer step. A callback sees no batch, so training_step (called once per micro-batch with
+    # the collated batch) counts it and the callback closes each optimizer step's count. The counts stay
+    # tensors until the end: no host read inside the steps.
+    pending, per_step = [], []
+    training_step = trainer.training_step
+
+    def counting_step(model, inputs, *rest, **kwargs):
+        mask = inputs.get("attention_mask")
+        # Padding-free (TRL's packed SFT): one flattened row of real tokens, no attention mask, no padding.
+        pending.append(mask.sum() if mask is not None else inputs["input_ids"].numel())
+        return training_step(model, inputs, *rest, **kwargs)
+
+    class StepTokens(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.append(sum(pending))
+            pending.clear()
+
+    trainer.training_step = counting_step
+    trainer.add_callback(StepTokens())
+    trained = trainer.train()
+    evaluation = trainer.evaluate()
+    print(f"eval {evaluation}", flush=True)
+    trainer.save_model(str(Path(cfg.output_dir) / "model"))
+    summary = {"train": {"steps": trained.global_step, "wall_seconds": trained.metrics["train_runtime"],
+                         "gradient_checkpointing": bool(args.gradient_checkpointing)},
+               "eval": {k.removeprefix("eval_"): v for k, v in evaluation.items()},
+               "tokens_per_step": [int(n) for n in per_step]}
+    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def _parent_imports():
+    """compare_loops.py's process runner, environment and machine description, and the framework's config
+    loader (imported by the parent only)."""
+    global Bench, Finished, RUN, MIB, child_env, machine, probe_env, load_config
+    from compare_loops import MIB, RUN, Bench, Finished, child_env, machine, probe_env  # noqa: F401
+
+    sys.path.insert(0, str(ROOT))
+    from framework.config import load_config  # noqa: F401
+
+
+@dataclass
+class Job:
+    """One post-training job on both sides, with the interface of compare_loops.Case (which Bench runs)."""
+    name: str
+    title: str
+    recipe: Path
+    job_overrides: List[str]  # what makes the job out of the recipe
+    data: Dict[str, Path]  # train, eval: the files both sides read
+    steps: int
+    skip: int  # the first steps, left out of steady tokens/s
+    threads: int
+    checkpointing: str  # --gradient-checkpointing
+    overrides: List[str] = field(default_factory=list)  # --set, for both sides
+    seed: int = 42  # the seed of the runs about to start (set per round)
+    loops: Dict[str, List[str]] = field(default_factory=dict)
+
+    METRICS: ClassVar[List[str]] = ["total_wall_s", "time_to_first_step_s", "steady_tokens_per_s",
+                                    "tokens_per_step", "peak_rss_mib", "train_loss", "eval_loss"]
+    RATIOS: ClassVar[List[str]] = ["total_wall_s", "steady_tokens_per_s", "peak_rss_mib"]
+
+    def __post_init__(self):
+        self.loops = {"framework": [sys.executable, str(RUN)],
+                      "TRL": [sys.executable, str(Path(__file__).resolve()), "--side", "trl",
+                              *([DEFAULT_CHECKPOINTING] if self.checkpointing == "defaults" else [])]}
+
+    def recipe_overrides(self, output_dir: Path, steps: int) -> List[str]:
+        """Both sides' recipe overrides: the TRL side reads the same ones."""
+        return [*self.job_overrides,
+                f"output_dir={output_dir}", f"seed={self.seed}", f"train.max_steps={steps}",
+                f"data.train_file={self.data['train']}", f"data.eval_file={self.data['eval']}",
+                "data.max_train_samples=null", "data.max_eval_samples=null",
+                f"train.cpu_threads={self.threads}",
+                "train.log_every=1",  # the framework's tokens per step, from its log
+                f"eval.every_steps={FAR}",  # evaluate once, after the last step
+                "checkpoint.every_minutes=null",  # no resumable checkpoint inside the run, as TRL's side
+                *([f"train.gradient_checkpointing={'true' if self.checkpointing == 'on' else 'false'}"]
+                  if self.checkpointing != "defaults" else []),
+                *self.overrides]
+
+    def command(self, loop: str, device: str, output_dir: Path, steps: Optional[int]) -> List[str]:
+        return [*self.loops[loop], "--config", str(self.recipe), "backend=cpu",
+                *self.recipe_overrides(output_dir, steps)]
+
+    def env(self, base: Dict[str, str], probe_file: Optional[Path], steps: Optional[int]) -> Dict[str, str]:
+        return probe_env(base, probe_file, steps, self.skip)
+
+    def measure(self, loop: str, steps: Optional[int], device: str, done: Finished) -> Dict:
+        probe = json.loads(done.probe_file.read_text())
+        ends = probe["step_ends"]
+        if len(ends) != steps:
+            sys.exit(f"{self.name}, {loop}: {len(ends)} optimizer steps instead of {steps}")
+        summary = json.loads((done.output_dir / "summary.json").read_text())
+        result = {"side": loop, "seed": self.seed}
+        if loop == "framework":
+            tokens = self.logged_tokens(done.output_dir / "metrics.jsonl", summary["plan"]["effective_batch"])
+            result["logged_train_loss"] = summary["train"]["loss"]  # the last step's, with train.log_every=1
+            resolved = load_config(done.output_dir / "config.yaml", [])  # the recipe the run resolved
+            result["gradient_checkpointing"] = resolved.train.gradient_checkpointing
+        else:
+            tokens = summary["tokens_per_step"]
+            result["gradient_checkpointing"] = summary["train"]["gradient_checkpointing"]
+        if len(tokens) != steps:
+            sys.exit(f"{self.name}, {loop}: token counts for {len(tokens)} steps instead of {steps}")
+        steady = None
+        if steps > self.skip:  # from the end of step `skip` to the end of the last step
+            steady = sum(tokens[self.skip:]) / (ends[-1] - ends[self.skip - 1])
+        return {**result,
+                "total_wall_s": done.wall,
+                "time_to_first_step_s": ends[0],
+                "steady_tokens_per_s": steady,
+                "tokens_per_step": statistics.median(tokens),
+                "tokens": tokens,
+                "peak_rss_mib": done.peak_rss_bytes / MIB,
+                "train_loss": probe["last_loss"],
+                "first_train_loss": probe["first_loss"],
+                "eval_loss": summary["eval"]["loss"],
+                "eval": summary["eval"],
+                "optimizer": probe["optimizer"],
+                "threads": probe["threads"]}
+
+    @staticmethod
+    def logged_tokens(metrics: Path, batch: int) -> List[int]:
+        """The framework's tokens per step from its log (one record per step): tokens/s x the step's seconds,
+        which its samples/s gives (batch samples a step)."""
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        return [round(r["tokens_per_second"] * batch / r["samples_per_second"])
+                for r in records if "tokens_per_second" in r]
+
+    def summarize(self, runs: List[Dict]) -> Dict:
+        """Per side, each metric's median, min and max over the rounds; framework / TRL, the median, min and max
+        of the rounds' ratios (the two runs of a round are back to back)."""
+        sides = {side: [r for r in runs if r["side"] == side] for side in self.loops}
+        stats = {side: {m: spread([r[m] for r in rs]) for m in self.METRICS} for side, rs in sides.items()}
+        ratios = {m: spread([None if f[m] is None or t[m] is None else f[m] / t[m]
+                             for f, t in zip(sides["framework"], sides["TRL"])]) for m in self.RATIOS}
+        optimizers = {side: {json.dumps(r["optimizer"], sort_keys=True) for r in rs} for side, rs in sides.items()}
+        return {"stats": stats, "ratios": ratios,
+                "same_optimizer": len(optimizers["framework"] | optimizers["TRL"]) == 1,
+                "same_threads": len({r["threads"] for r in runs}) == 1}
+
+    def markdown(self, runs: List[Dict], summary: Dict) -> str:
+        stats, ratios = summary["stats"], summary["ratios"]
+        rounds = len(runs) // len(self.loops)
+        seeds = sorted({r["seed"] for r in runs})
+        checkpointing = {side: next(r["gradient_checkpointing"] for r in runs if r["side"] == side)
+                         for side in self.loops}
+        window = (f"steps {self.skip + 1}-{self.steps}" if self.steps > self.skip
+                  else f"none: --steps {self.steps} leaves no step after --skip-steps {self.skip}")
+        job = " ".join([str(self.recipe.relative_to(ROOT)), *self.job_overrides, f"train.max_steps={self.steps}"])
+        lines = [f"## {self.name}: {self.title}", "",
+                 f"`{job}`; "
+                 f"{rounds} round(s), seed(s) {', '.join(map(str, seeds))}; {self.threads} CPU thread(s) per side; "
+                 f"steady window: {window}. Gradient checkpointing: framework "
+                 f"{'on' if checkpointing['framework'] else 'off'}, TRL {'on' if checkpointing['TRL'] else 'off'}"
+                 + (" (each side's default)" if self.checkpointing == "defaults" else "") + "."
+                 + (f" Overrides on both sides: {' '.join(self.overrides)}." if self.overrides else ""), "",
+                 "Median over rounds (min-max):", "",
+                 "| side | total wall (s) | time to first step (s) | steady tokens/s | tokens/step | peak RSS (MiB) "
+                 "| final train loss | eval loss |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        formats = {"total_wall_s": ".1f", "time_to_first_step_s": ".1f", "steady_tokens_per_s": ".0f",
+                   "tokens_per_step": ".0f", "peak_rss_mib": ".0f", "train_loss": ".4f", "eval_loss": ".4f"}
+        lines += [f"| {side} | " + " | ".join(show(s[m], formats[m]) for m in self.METRICS) + " |"
+                  for side, s in stats.items()]
+        lines += ["", "framework / TRL, the median (min-max) of each round's ratio (tokens/s above 1: the framework "
+                  "is faster; wall and memory below 1: it is quicker or lighter):", "",
+                  "| ratio | total wall | steady tokens/s | peak RSS |", "| --- | ---: | ---: | ---: |",
+                  "| framework / TRL | " + " | ".join(show(ratios[m], ".3f") for m in self.RATIOS) + " |", ""]
+        for metric, name in (("train_loss", "final train loss"), ("eval_loss", "eval loss")):
+            f, t = stats["framework"][metric], stats["TRL"][metric]
+            overlap = f["min"] <= t["max"] and t["min"] <= f["max"]
+            judged = ("one round: no spread to judge it by" if rounds == 1 else
+                      f"the sides' ranges over the rounds {'overlap' if overlap else 'do NOT overlap'}")
+            lines.append(f"{name}: framework - TRL = {f['median'] - t['median']:+.4f} (medians); {judged}.")
+        framework_runs = [r for r in runs if r["side"] == "framework"]
+        mismatch = [r for r in framework_runs if abs(r["logged_train_loss"] - r["train_loss"]) > 1e-5 * max(
+            1.0, abs(r["train_loss"]))]
+        if mismatch:
+            lines.append("WARNING: the framework's logged last-step loss differs from the loss its backward got: "
+                         + ", ".join(f"{r['logged_train_loss']:.6f} vs {r['train_loss']:.6f}" for r in mismatch))
+        if summary["same_optimizer"]:
+            lines += ["", f"Optimizer, the same on both sides: {json.dumps(runs[0]['optimizer'])}."]
+        else:
+            lines += ["", "The sides' optimizers differ: " + "; ".join(
+                f"{r['side']} {json.dumps(r['optimizer'])}" for r in runs[:len(self.loops)]) + "."]
+        if summary["same_threads"]:
+            lines.append(f"CPU threads (torch.get_num_threads), the same in every run: {runs[0]['threads']}.")
+        else:
+            lines.append("WARNING: the runs' thread counts differ: "
+                         + "; ".join(f"{r['side']} {r['threads']}" for r in runs) + ".")
+        return "\n".join(lines)
+
+
+def spread(values: List[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Median, min and max (None when a run had no value: no steady window)."""
+    if not values or any(v is None for v in values):
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def show(s: Dict[str, Optional[float]], fmt: str) -> str:
+    """``median (min-max)``, or the median alone when min and max print the same (one round)."""
+    if s["median"] is None:
+        return "-"
+    low, high = format(s["min"], fmt), format(s["max"], fmt)
+    return format(s["median"], fmt) + ("" if low == high else f" ({low}-{high})")
+
+
+JOBS = {  # name: (title, recipe, overrides that make the job, data kind)
+    "sft_full": ("SFT, full fine-tuning, on prompt/completion conversations", "sft.yaml",
+                 ["peft=null", "optim.lr=3e-5", "sft.train_on=completion"], "sft"),
+    "sft_lora": ("SFT with LoRA on prompt/completion conversations", "sft.yaml", ["sft.train_on=completion"], "sft"),
+    "dpo_lora": ("DPO (sigmoid) with LoRA on preference pairs", "dpo.yaml", [], "dpo"),
+}
+
+
+def write_data(folder: Path, train_rows: int, eval_rows: int) -> Dict[str, Dict[str, Path]]:
+    """The rows both sides read: the first ``train_rows`` pairs for training, the next ``eval_rows`` for
+    evaluation; for SFT their prompt and chosen completion as prompt/completion conversations."""
+    with PAIRS.open() as f:
+        rows = [json.loads(line) for _, line in zip(range(train_rows + eval_rows), f)]
+    if len(rows) < train_rows + eval_rows:
+        sys.exit(f"{PAIRS} has {len(rows)} rows, fewer than --train-rows + --eval-rows")
+    files = {}
+    for kind, convert in (("sft", lambda r: {"prompt": r["prompt"], "completion": r["chosen"]}),
+                          ("dpo", lambda r: r)):
+        files[kind] = {}
+        for split, part in (("train", rows[:train_rows]), ("eval", rows[train_rows:])):
+            path = folder / f"{kind}_{split}.jsonl"
+            path.write_text("".join(json.dumps(convert(r)) + "\n" for r in part))
+            files[kind][split] = path
+    return files
+
+
+def run_job(bench, job: Job, rounds: int, warmup: bool, vary_seed: bool, base_seed: int) -> List[Dict]:
+    """The optional warm-up of each side, then ``rounds`` rounds of both sides back to back, the first side
+    alternating; progress to stderr."""
+    sides = list(job.loops)
+    if warmup:
+        job.seed = base_seed
+        for side in sides:
+            print(f"[{job.name}] warm-up: {side}", file=sys.stderr, flush=True)
+            bench.run(job, side, f"{job.name}-{side}-warmup", steps=2, measured=False)
+    runs = []
+    for i in range(rounds):
+        job.seed = base_seed + i if vary_seed else base_seed
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            print(f"[{job.name}] round {i + 1}/{rounds} (seed {job.seed}): {side}", file=sys.stderr, flush=True)
+            runs.append({"round": i + 1, **bench.run(job, side, f"{job.name}-{side}-{i}", job.steps, measured=True)})
+    return sorted(runs, key=lambda r: (r["side"] != "framework", r["round"]))  # framework's rounds, then TRL's
+
+
+def main() -> None:
+    _parent_imports()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)} (default all)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
+    parser.add_argument("--skip-steps", type=int, default=2,
+                        help="the first steps, left out of steady tokens/s (default 2)")
+    parser.add_argument("--rounds", "--repeats", type=int, default=3,
+                        help="measured runs per side and job, both sides in each round (default 3)")
+    parser.add_argument("--train-rows", type=int, default=480, help="training rows (default 480, the sft recipe's)")
+    parser.add_argument("--eval-rows", type=int, default=100, help="evaluation rows (default 100)")
+    parser.add_argument("--threads", type=int, help="CPU threads per process, both sides (default: the cores this "
+                        "process may run on, the framework's auto). On a machine shared with other work, 1 is far "
+                        "less sensitive to the other load")
+    parser.add_argument("--gradient-checkpointing", choices=["defaults", "off", "on"], default="defaults",
+                        help="defaults: each side's own (TRL on, the framework off); off, on: the same on both")
+    parser.add_argument("--fixed-seed", action="store_true",
+                        help="the recipe's seed in every round (default: round i uses seed + i on both sides)")
+    parser.add_argument("--no-warmup", action="store_true", help="no unmeasured warm-up run before the rounds")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a recipe override for both sides of every job (after this script's own)")
+    parser.add_argument("--json", "--out", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args()
+    jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]
+    if not jobs or any(name not in JOBS for name in jobs):
+        parser.error(f"--jobs takes a comma-separated list of {', '.join(JOBS)}")
+    if args.steps < 1 or args.skip_steps < 1 or args.rounds < 1 or args.train_rows < 1 or args.eval_rows < 1 \
+            or (args.threads is not None and args.threads < 1):
+        parser.error("--steps, --skip-steps, --rounds, --train-rows, --eval-rows and --threads must be at least 1")
+    if any("=" not in override for override in args.overrides):
+        parser.error("--set takes KEY=VALUE")
+
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info = {**machine("cpu", threads), "trl": version("trl"), "peft": version("peft")}
+    env = child_env("cpu", threads)  # OMP_NUM_THREADS=threads for both sides
+    print(f"# Post-training: the framework vs TRL {info['trl']}\n\n"
+          f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores. Framework {info['framework_revision']}; "
+          f"torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}, "
+          f"peft {info['peft']}. fp32; {args.train_rows} train rows, {args.eval_rows} eval rows "
+          f"(assets/rotten_tomatoes_pairs.jsonl). Tokens: non-padding tokens put through the model. Peak RSS: "
+          "the child process's. Final train loss: the last step's.", flush=True)
+    report = {"date": started, "machine": info, "rounds": args.rounds, "settings": vars(args),
+              "jobs": {}}
+    with tempfile.TemporaryDirectory(prefix="compare_trl-") as tmp:
+        work = Path(tmp)
+        env["HF_HOME"] = str(work / "hf_home")  # a fresh datasets cache, filled by the warm-up runs
+        data = write_data(work, args.train_rows, args.eval_rows)
+        bench = Bench("cpu", work, env)
+        for name in jobs:
+            title, recipe, job_overrides, kind = JOBS[name]
+            recipe = ROOT / "recipes" / recipe
+            base_seed = load_config(recipe, [*job_overrides, *args.overrides]).seed
+            job = Job(name, title, recipe, job_overrides, data[kind], args.steps, args.skip_steps, threads,
+                      args.gradient_checkpointing, args.overrides)
+            runs = run_job(bench, job, args.rounds, not args.no_warmup, not args.fixed_seed, base_seed)
+            summary = job.summarize(runs)
+            report["jobs"][name] = {"recipe": str(recipe.relative_to(ROOT)), "overrides": job_overrides,
+                                    "runs": runs, **summary}
+            print("\n" + job.markdown(runs, summary), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--side":
+        if sys.argv[2] != "trl":
+            sys.exit("--side takes trl")
+        trl_side(sys.argv[3:])
+    else:
+        main()
