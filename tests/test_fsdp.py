@@ -416,6 +416,27 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     assert text.startswith("the cat")
 
 
+def test_tensor_parallel_shards_a_tied_embedding_and_head_as_one_matrix(cli_module, corpus, word_tokenizer, hf_home,
+                                                                       tmp_path):
+    """tie_word_embeddings (SmolLM2's, most small chat models'): transformers' plan shards the embedding and the
+    output layer by vocabulary alike, each as a parameter of its own; the run ties them again to one sharded
+    matrix (backend.build.tensor_parallel_model). Trains what one process does, to the same tolerances as the
+    untied model, and model/ holds the matrix once, tied, as one process writes it."""
+    tied = "model.config.tie_word_embeddings=true"
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    train_ok(llama_args(word_tokenizer, corpus, one, tied), hf_home)
+    cli_module(llama_args(word_tokenizer, corpus, tp, tied, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
+               launch_args=launch())
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(tp).values())),
+                               torch.tensor(list(losses_by_step(one).values())), **LOSS_TOLERANCE)
+    w, expected = weights(tp), weights(one)
+    assert w.keys() == expected.keys() and "lm_head.weight" not in w
+    for name in w:
+        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    held = summary(tp)["memory"]
+    assert 0.5 <= held["per_device"]["weight_bytes"] / held["weight_bytes"] < 0.51  # the tied matrix sharded too
+
+
 @pytest.mark.slow
 def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_process, tmp_path):
     """peft.quantize=4bit (NF4 bitsandbytes Linear4bit) on the tiny Llama under FSDP2: accelerate 1.15 leaves the

@@ -136,15 +136,23 @@ def tensor_parallel_model(accelerator: Accelerator, model: torch.nn.Module) -> t
     if not getattr(model, "tp_plan", None):
         raise UserError(f"distributed.tensor_parallel: {type(model).__name__} has no tensor-parallel plan in "
                         "transformers (Llama-style models have one: base_model_tp_plan); remove the key")
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise UserError("distributed.tensor_parallel: the model ties its output layer to its embedding, which the "
-                        "plan shards as two parameters (the tie would break); set tie_word_embeddings: false in "
-                        "model.config, or remove the key")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if tied:  # the plan names both the embedding's and the output layer's weight: each must be a parameter of its own
+        output.weight = torch.nn.Parameter(output.weight.detach().clone())
     try:
         config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=size))
-        return type(model).maybe_distribute_model(model, config, mesh)
+        model = type(model).maybe_distribute_model(model, config, mesh)
     except ValueError as e:  # a size the plan cannot split (heads, key/value heads)
         raise UserError(f"distributed.tensor_parallel: {str(e).splitlines()[0]}") from None
+    if tied:
+        # The plan shards the embedding (embedding_rowwise) and the output layer (colwise) by vocabulary alike:
+        # tied again, both use the embedding's shard, one matrix as before.
+        if output.weight.placements != embedding.weight.placements:
+            raise UserError("distributed.tensor_parallel: the model ties its output layer to its embedding, which "
+                            "the plan shards differently; set tie_word_embeddings: false, or remove the key")
+        output.weight = embedding.weight
+    return model
 
 
 def _process_group_kwargs(cfg: RunConfig) -> list:
