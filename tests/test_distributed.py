@@ -67,8 +67,6 @@ def test_mismatch_is_refused(capsys, args, override, message):
 
 @pytest.mark.parametrize("kind, config, message", [
     ("gpt2", dict(n_layer=1, n_head=2, n_embd=8), "GPT2LMHeadModel has no tensor-parallel plan"),
-    ("llama", dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16,
-                   tie_word_embeddings=True), "the model ties its output layer to its embedding"),
 ])
 def test_tensor_parallel_refuses_a_model_it_cannot_shard(kind, config, message):
     """Checked before transformers shards anything (the 2-process run: tests/test_fsdp.py)."""
