@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
                      assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, grads, lm_args,
                      packed_batch, read_metrics, review_conversations, segments, targets_of, tiny_args, tiny_causal_lm,
-                     train_losses, worst_gradient)
+                     train_losses, worst_gradient, TINY_LM)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -233,16 +233,22 @@ def test_chunked_loss_and_gradients_on_xla_equal_the_cpu():
     assert torch.equal(xla[3], cpu[3])
 
 
-def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(cli, tmp_path):
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graphs(kind, cli, tmp_path):
+    """The tiny GPT-2 of tests/tiny_lm.yaml, and a tiny Llama shaped as SmolLM2 is (tests/tiny_llama.yaml: grouped
+    key/value heads, rotary positions, RMSNorm, the output layer tied to the embedding)."""
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps(d) + "\n" for d in documents(240, seed=3)))
+    recipe, model = (TINY_LM, []) if kind == "gpt2" else (ROOT / "tests" / "tiny_llama.yaml",
+                                                           ["model.config.tie_word_embeddings=true"])
     # The chunked loss in 3 chunks of a 4 x 32 batch (48, 48, 32 tokens): on XLA over every token, on the CPU
     # over the target tokens only.
-    args = lambda out, *extra: lm_args(tokenizer, corpus, out, "backend=auto", "train.loss_chunk_tokens=48",  # noqa: E731
-                                       *extra)
+    args = lambda out, *extra: ["--config", str(recipe), f"model.tokenizer={tokenizer}",  # noqa: E731
+                                f"data.train_file={corpus}", f"output_dir={out}", *model, "backend=auto",
+                                "train.loss_chunk_tokens=48", *extra]
     short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
     cli(args(short, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2"))
     cli(args(long, "train.max_steps=16", "eval.every_steps=4", "train.log_every=2"))
