@@ -71,8 +71,8 @@ def gather_for_metrics(accelerator: Accelerator, outputs: Dict[str, torch.Tensor
 
 def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The state dict without the second name of a tied weight (GPT-2's lm_head.weight, the embedding's). FSDP2
-    and tensor parallelism gather each name into its own tensor, so save_pretrained, which finds ties by shared storage, wrote both
-    (a model/ that differed from DDP's by a redundant copy of the embedding)."""
+    and tensor parallelism gather each name into its own tensor, so save_pretrained, which finds ties by shared
+    storage, wrote both (a model/ that differed from DDP's by a redundant copy of the embedding)."""
     first: Dict[int, str] = {}
     copies = set()
     for name, p in model.named_parameters(remove_duplicate=False):
