@@ -211,11 +211,18 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: t
     return _LinearCrossEntropy.apply(hidden, targets, head, chunk, *_trainable(head))
 
 
-def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
+                      select: bool = False) -> torch.Tensor:
     """Per row of ``targets`` (batch x length), the summed log-probability (fp32) of its target tokens under
-    ``head(hidden)``, differentiable, never holding more than ``chunk`` tokens' logits."""
-    flat = _TokenLogprobs.apply(hidden.flatten(0, -2), targets.flatten(), head, chunk, *_trainable(head))
-    return flat.view(targets.shape).sum(dim=-1)
+    ``head(hidden)``, differentiable, never holding more than ``chunk`` tokens' logits. ``select``: first drop
+    the ignored tokens (dynamic shapes), so the head runs on the completions only (a preference pair's answer is
+    often a few tokens of a long prompt)."""
+    flat_hidden, flat_targets, counted = _flat(hidden, targets, select)
+    flat = _TokenLogprobs.apply(flat_hidden, flat_targets, head, chunk, *_trainable(head))
+    if counted is None:
+        return flat.view(targets.shape).sum(dim=-1)
+    rows = torch.arange(targets.shape[0], device=targets.device).repeat_interleave(targets.shape[1])[counted]
+    return torch.zeros(targets.shape[0], dtype=flat.dtype, device=flat.device).index_add(0, rows, flat)
 
 
 @torch.no_grad()

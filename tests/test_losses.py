@@ -92,8 +92,9 @@ class _Recipe:
         chunked_loss, loss_chunk_tokens = True, CHUNK
 
 
+@pytest.mark.parametrize("select", [False, True])
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
-def test_sequence_logprobs_and_eval_outputs_equal_full_logits(kind):
+def test_sequence_logprobs_and_eval_outputs_equal_full_logits(kind, select):
     model = build(kind)
     inputs, labels = batch(kind)
     targets = targets_of(kind, labels)
@@ -106,7 +107,7 @@ def test_sequence_logprobs_and_eval_outputs_equal_full_logits(kind):
     expected = grads(model)
     model.zero_grad()
     hidden, _ = losses.hidden_states(model, head, **inputs)
-    chunked = losses.sequence_logprobs(hidden, head, targets, CHUNK)
+    chunked = losses.sequence_logprobs(hidden, head, targets, CHUNK, select)
     (chunked * weights).sum().backward()
     assert relative(chunked, full) < 1e-6
     assert worst_gradient(grads(model), expected) < 1e-6
@@ -117,11 +118,10 @@ def test_sequence_logprobs_and_eval_outputs_equal_full_logits(kind):
         targets = torch.where((targets != IGNORE) & (torch.arange(targets.shape[1]) % 2 == 0),
                               logits.argmax(-1), targets)
         full_losses, full_correct = token_outputs(logits, targets)
-        for select in (False, True):
-            token_losses, correct = losses.token_outputs(hidden, head, targets, CHUNK, select)
-            torch.testing.assert_close(token_losses, full_losses, rtol=1e-6, atol=1e-6)
-            assert torch.equal(correct, full_correct)
-            assert full_correct.any()  # the check sees some correct tokens
+        token_losses, correct = losses.token_outputs(hidden, head, targets, CHUNK, select)
+        torch.testing.assert_close(token_losses, full_losses, rtol=1e-6, atol=1e-6)
+        assert torch.equal(correct, full_correct)
+        assert full_correct.any()  # the check sees some correct tokens
 
 
 def test_nothing_logits_sized_is_kept_for_backward():

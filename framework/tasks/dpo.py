@@ -71,11 +71,12 @@ class DpoConfig:
     """The column holding the dispreferred completion of ``prompt_column`` (a string or a conversation)."""
 
 
-def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
-                     chunk: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor], chunk: Optional[int] = None,
+                     select: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row: the summed log-probability of its completion tokens (``labels`` other than IGNORE; fp32) and
     how many there are. ``chunk``: the head and log-softmax ``chunk`` tokens at a time (framework/losses.py,
-    where exact for the architecture), never the whole batch's logits; None: full logits."""
+    where exact for the architecture), never the whole batch's logits; None: full logits. ``select``: the head
+    on the completion tokens only (dynamic shapes)."""
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # shift the targets, not the logits (no copy)
     counts = (targets != IGNORE).sum(dim=1)
@@ -83,7 +84,7 @@ def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
     if head is not None:
         hidden, called = losses.hidden_states(model, head, **inputs)
         if called:
-            return losses.sequence_logprobs(hidden, head, targets, chunk), counts
+            return losses.sequence_logprobs(hidden, head, targets, chunk, select), counts
         logits = hidden  # the model did not call its head module: these are its logits
     else:
         logits = model(**inputs).logits
@@ -259,13 +260,13 @@ class DPO(CausalLM):
         def reference(batch):
             rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
             with torch.no_grad():
-                logps = completion_logps(model, collate(rows), chunk)[0]
+                logps = completion_logps(model, collate(rows), chunk, select=True)[0]  # on the host: dynamic
             chosen, rejected = logps.chunk(2)
             return {"ref_chosen_logps": chosen.tolist(), "ref_rejected_logps": rejected.tolist()}
 
         batch_size = cfg.train.eval_batch_size or 2 * cfg.train.batch_size
         ds = ds.map(reference, batched=True, batch_size=batch_size, desc="Reference log-probabilities",
-                    new_fingerprint=Hasher.hash((ds._fingerprint, weights_digest(model), chunk, "reference")))
+                    new_fingerprint=Hasher.hash((ds._fingerprint, weights_digest(model), chunk, "selected reference")))
         model.train(was_training)
         return ds
 
@@ -278,7 +279,7 @@ class DPO(CausalLM):
         return batch["input_ids"].shape[0] // 2  # pairs
 
     def _outputs(self, model, batch) -> Dict[str, torch.Tensor]:
-        logps, counts = completion_logps(model, batch, self.loss_chunk)
+        logps, counts = completion_logps(model, batch, self.loss_chunk, self.select_targets)
         return pair_losses(self.dpo, logps, counts, self._reference_logps(model, batch))
 
     def _reference_logps(self, model, batch) -> Optional[torch.Tensor]:
@@ -290,8 +291,8 @@ class DPO(CausalLM):
             if self.reference is ADAPTER_OFF:
                 inner = self.unwrap(model)
                 with inner.disable_adapter(), evaluating(inner):
-                    return completion_logps(inner, batch, self.loss_chunk)[0]
-            return completion_logps(self.reference, batch, self.loss_chunk)[0]
+                    return completion_logps(inner, batch, self.loss_chunk, self.select_targets)[0]
+            return completion_logps(self.reference, batch, self.loss_chunk, self.select_targets)[0]
 
     def loss_sum(self, model, batch) -> torch.Tensor:
         return self._outputs(model, batch)["loss"].sum()
