@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers import TINY_LM, assert_same_weights, tiny_args, tiny_gguf, tools_assets, train_losses
+from helpers import TINY_LM, assert_same_weights, mlm_args, tiny_args, tiny_gguf, tools_assets, train_losses
 from in_process import run_main
 
 
@@ -99,8 +99,8 @@ def test_a_gguf_file_starts_a_classifier_as_its_converted_folder_does(gguf_file,
     assert losses == train_losses(runs["folder"]) and len(losses) == 3 and all(0 < x < 5 for x in losses), losses
     assert_same_weights(runs["file"], runs["folder"], rtol=0, atol=0)
     capsys.readouterr()
-    assert run_main(tiny_args(gguf_file, easy_data, tmp_path / "mlm", "task=masked_lm", "data.text_column=text"),
-                    hf_home) == 2
+    assert run_main(mlm_args(gguf_file, easy_data, tmp_path / "mlm", "model.config=null", "model.tokenizer=null",
+                             f"model.name_or_path={gguf_file}"), hf_home) == 2
     err = capsys.readouterr().err
     assert "model.name_or_path" in err and "Traceback" not in err, err[-2000:]
 
