@@ -1,4 +1,4 @@
-# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz   (each installs what it needs)
+# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz | ci   (each installs what it needs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,8 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
-.PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz
+.PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz ci \
+	test-xla-all
 
 install: $(VENV)/.installed assets/.ready
 
@@ -47,6 +48,16 @@ test:
 # on XLA), the CPU and XLA tiers side by side as in make test. .ci/run runs them after make test.
 test-slow:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-slow-cpu test-slow-xla
+
+# What CI runs (.ci/run): make test and make test-slow, packed for 2 cores. The XLA tier's slow tests follow its
+# other tests beside the CPU tier, which outlasts it by minutes and whose tiny-model tests leave part of a core idle;
+# then the CPU tier's slow tests (the real recipes, which use both cores).
+ci:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-cpu test-xla-all
+	@$(MAKE) --no-print-directory test-slow-cpu
+
+test-xla-all: test-xla
+	@$(MAKE) --no-print-directory test-slow-xla
 
 test-slow-cpu: install
 	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
