@@ -268,16 +268,19 @@ def mix(parts: list, weights: List[float], seed: int):
                         f"{str(e).splitlines()[0]}") from None
 
 
-def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable]) -> Splits:
+def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable],
+                keep_other_columns: bool = False) -> Splits:
     """Read train and eval data, check the task's ``columns`` (recipe key -> column), drop the rows
     ``keep_row`` rejects, hold out ``eval_fraction`` of each source when there is no eval set (before mixing,
     so that a row a mix repeats is never both trained and evaluated on), mix the sources, and apply the
-    sample caps."""
+    sample caps. The rows keep only the task's columns unless ``keep_other_columns`` (``Task.keeps_other_columns``)."""
     evaluation, eval_name = read_eval(cfg)
     parts, held, weights = [], [], []
     for prefix, source in train_sources(cfg):
         rows, name = read_source(prefix, source, cfg)
-        rows = _clean(rows, columns, keep_row, name, cfg).select_columns(list(columns.values()))
+        rows = _clean(rows, columns, keep_row, name, cfg)
+        if not keep_other_columns:
+            rows = rows.select_columns(list(columns.values()))
         if evaluation is None:
             if len(rows) < 2:
                 raise UserError(f"{name} has {len(rows)} usable row(s); too few to hold out an eval set")

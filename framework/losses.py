@@ -12,7 +12,8 @@ applied to ``chunk`` tokens at a time:
   Kernel's and Apple's Cut Cross-Entropy's order of work, in plain PyTorch), so the head costs the same
   three matrix products as with full logits.
 - ``sequence_logprobs``: per row, the summed log-probability of its target tokens (preference losses); its
-  incoming gradient differs per token, so each chunk is recomputed in the backward pass.
+  incoming gradient differs per token, so each chunk is recomputed in the backward pass. ``token_logprobs``:
+  the same per token (online RL).
 - ``token_outputs``: per token, the loss and whether the argmax is the target (evaluation, no gradient).
 
 Chunks are fixed slices of the flattened tokens, so their shapes depend only on the batch's shape (static
@@ -223,6 +224,19 @@ def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torc
         return flat.view(targets.shape).sum(dim=-1)
     rows = torch.arange(targets.shape[0], device=targets.device).repeat_interleave(targets.shape[1])[counted]
     return torch.zeros(targets.shape[0], dtype=flat.dtype, device=flat.device).index_add(0, rows, flat)
+
+
+def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
+                   select: bool = False) -> torch.Tensor:
+    """Per token of ``targets``' shape, the log-probability (fp32) of its target under ``head(hidden)``, 0 where
+    ignored, differentiable, never holding more than ``chunk`` tokens' logits (online RL's per-token ratios).
+    ``select``: the head runs on the target tokens only (dynamic shapes)."""
+    flat_hidden, flat_targets, counted = _flat(hidden, targets, select)
+    out = _TokenLogprobs.apply(flat_hidden, flat_targets, head, chunk, *_trainable(head))
+    if counted is None:
+        return out.view(targets.shape)
+    full = torch.zeros(counted.shape, dtype=out.dtype, device=out.device)
+    return full.masked_scatter(counted, out).view(targets.shape)
 
 
 @torch.no_grad()

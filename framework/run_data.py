@@ -108,7 +108,8 @@ class MapData(RunData):
 
     def load(self, task, mesh=None):
         cfg = self.cfg
-        splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
+        splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg),
+                                  task.keeps_other_columns)
         model, tokenizer = task.load(cfg, splits.train, splits.eval)
         eval_ds = task.prepare(splits.eval, tokenizer, model, cfg)
         if cfg.eval.batches:

@@ -6,8 +6,8 @@ loop's tokens/s and MFU count that."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Protocol, Union
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Dict, List, Protocol, Union
 
 import torch
 
@@ -27,7 +27,10 @@ class StepResult:
     targets: Count  # what the loss sum is normalised by (examples, or target tokens)
     tokens: Count  # real (non-padding) tokens put through the model
     token_context: Count  # each of those tokens times its row's real length (attention's FLOPs grow with it)
-    micro_steps: int  # forward and backward passes
+    micro_steps: int  # micro-batches (forward and backward passes; online RL's several updates count once)
+    # Further scalars to log with the loss (online RL's rewards), each already the same on every process (the
+    # step reduced it over them); the loop logs each one's mean over the steps of its log window.
+    metrics: Dict[str, float] = field(default_factory=dict)
 
 
 class Step(Protocol):
@@ -62,12 +65,19 @@ class SupervisedStep:
 
     def micro_batch(self, run: "Run", batch: Dict[str, torch.Tensor], scale) -> torch.Tensor:
         """Forward and backward (and, at the last micro-batch, the optimizer step); returns the loss sum, detached."""
-        acc, model = run.accelerator, run.model
-        with acc.accumulate(model):
-            loss_sum = run.task.loss_sum(model, batch)
-            acc.backward(loss_sum * scale)
-            if acc.sync_gradients and run.cfg.train.max_grad_norm:
-                backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
-            run.optimizer.step()
-            run.optimizer.zero_grad()
-        return loss_sum.detach()
+        return backward_and_step(run, lambda model: run.task.loss_sum(model, batch), scale)
+
+
+def backward_and_step(run: "Run", loss_sum_of: Callable[[torch.nn.Module], torch.Tensor], scale) -> torch.Tensor:
+    """One micro-batch under accelerate's accumulation: the forward ``loss_sum_of(model)``, the backward of it
+    times ``scale`` and, where the accumulation window ends, gradient clipping and the optimizer step; returns
+    the loss sum, detached."""
+    acc, model = run.accelerator, run.model
+    with acc.accumulate(model):
+        loss_sum = loss_sum_of(model)
+        acc.backward(loss_sum * scale)
+        if acc.sync_gradients and run.cfg.train.max_grad_norm:
+            backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    return loss_sum.detach()

@@ -159,6 +159,7 @@ class Window:
     seconds: float
     tokens: int  # real (non-padding) tokens, all processes
     flops: float  # model FLOPs of those tokens (framework.flops)
+    metrics: Dict[str, float]  # the steps' further scalars (StepResult.metrics), each its mean over the window
 
 
 class LossWindow:
@@ -176,6 +177,7 @@ class LossWindow:
         self.token_context = backend.zero_scalar(accelerator, torch.long)
         self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
+        self.metrics: Dict[str, list] = {}  # name -> [sum, steps] over the window
 
     def add(self, result: StepResult) -> None:
         self.loss_sum += result.loss_sum
@@ -183,6 +185,10 @@ class LossWindow:
         self.tokens += result.tokens
         self.token_context += result.token_context
         self.micro_steps += result.micro_steps
+        for name, value in result.metrics.items():
+            total = self.metrics.setdefault(name, [0.0, 0])
+            total[0] += value
+            total[1] += 1
 
     def close(self) -> Window:
         """Host sync: the window's figures over all processes; starts a new window."""
@@ -190,10 +196,11 @@ class LossWindow:
             self.accelerator, self.targets, "sum")
         (tokens, context), before = self.totals(), self.logged
         result = Window(loss, self.micro_steps, time.perf_counter() - self.start, tokens - before[0],
-                        self.model_flops.total(tokens - before[0], context - before[1]))
+                        self.model_flops.total(tokens - before[0], context - before[1]),
+                        {name: total / steps for name, (total, steps) in self.metrics.items()})
         self.logged = (tokens, context)
         self.loss_sum, self.targets = backend.zero_scalar(self.accelerator), backend.zero_scalar(self.accelerator)
-        self.micro_steps, self.start = 0, time.perf_counter()
+        self.micro_steps, self.start, self.metrics = 0, time.perf_counter(), {}
         return result
 
     def totals(self) -> tuple:
@@ -208,13 +215,14 @@ class LossWindow:
         processes: restored on every process, the next logged sum over processes is the same."""
         return {"loss_sum": backend.read_scalar(self.accelerator, self.loss_sum, "mean"),
                 "targets": backend.read_scalar(self.accelerator, self.targets, "mean"),
-                "micro_steps": self.micro_steps}
+                "micro_steps": self.micro_steps, "metrics": self.metrics}
 
     def restore(self, snapshot: Optional[dict]) -> None:
         if snapshot:
             self.loss_sum = self.loss_sum + snapshot["loss_sum"]
             self.targets = self.targets + snapshot["targets"]
             self.micro_steps = snapshot["micro_steps"]
+            self.metrics = {name: list(total) for name, total in snapshot.get("metrics", {}).items()}
 
 
 class Saves:
@@ -347,7 +355,7 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
     steps = closed.micro_steps / run.cfg.train.gradient_accumulation_steps
     speed = steps * run.plan["effective_batch"] / closed.seconds
     record = {"step": state.step, "epoch": state.epoch, "loss": closed.loss, "lr": run.scheduler.get_last_lr()[0],
-              "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds}
+              "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds, **closed.metrics}
     if run.peak_flops:
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
     reporter.log(record)

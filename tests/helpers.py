@@ -36,6 +36,8 @@ TINY_RECIPE = TESTS / "tiny.yaml"
 TINY_LM = TESTS / "tiny_lm.yaml"
 TINY_MLM = TESTS / "tiny_mlm.yaml"
 TINY_DPO = TESTS / "tiny_dpo.yaml"
+TINY_GRPO = TESTS / "tiny_grpo.yaml"
+GRPO_REWARDS = TESTS / "grpo_rewards.py"
 
 
 def task_names() -> List[str]:
@@ -159,6 +161,13 @@ def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
     """A tiny GPT-2 from scratch tuned on preference pairs (tests/tiny_dpo.yaml)."""
     return ["--config", str(TINY_DPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
             f"output_dir={out}", *extra]
+
+
+def grpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """A tiny GPT-2 from scratch trained by GRPO (tests/tiny_grpo.yaml) on the preference pairs' prompts, rewarded
+    for answering their chosen word and by tests/grpo_rewards.py's ``characters`` (rewards that vary from the start)."""
+    return ["--config", str(TINY_GRPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
+            f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters]", *extra]
 
 
 def lora_lm_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:

@@ -26,6 +26,7 @@ class CountingStep(SupervisedStep):
         CountingStep.per_token = run.model_flops.per_token
         result = super().__call__(run, batches)
         result.tokens, result.token_context = TOKENS_PER_STEP, 0
+        result.metrics = {"calls": float(CountingStep.calls)}  # a further scalar, logged as its window's mean
         return result
 
 
@@ -34,8 +35,8 @@ class CountingTask(TextClassification):
         return CountingStep()
 
 
-def test_a_task_supplies_its_own_step_and_the_loop_counts_its_tokens(tiny_model, easy_data, hf_home, tmp_path,
-                                                                      monkeypatch):
+def test_a_task_supplies_its_own_step_and_the_loop_counts_its_tokens_and_logs_its_metrics(
+        tiny_model, easy_data, hf_home, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "get_task", lambda name: CountingTask())
     CountingStep.calls = 0
     out = tmp_path / "out"
@@ -45,6 +46,8 @@ def test_a_task_supplies_its_own_step_and_the_loop_counts_its_tokens(tiny_model,
     seconds = summary["train"]["wall_seconds"]
     assert summary["train"]["tokens_per_second"] * seconds == pytest.approx(6 * TOKENS_PER_STEP)
     assert summary["flops"]["trained"] == 6 * TOKENS_PER_STEP * CountingStep.per_token  # no context: no attention
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["calls"] for r in logged if "loss" in r] == [2.0, 5.0]  # the means of steps 1-3 and 4-6
 
 
 def test_the_supervised_step_counts_real_tokens_and_targets(tiny_model, easy_data, hf_home, tmp_path):

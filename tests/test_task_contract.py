@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import (assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
-                     documents, dpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics, review_conversations,
+                     documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics, review_conversations,
                      sft_args, summary, synthetic_rows, task_names, tiny_args, write_jsonl)
 from in_process import run_captured, train_ok
 
@@ -43,11 +43,17 @@ def bad_pair(rows):
     return rows
 
 
+def blank_prompt(rows):
+    rows[7]["prompt"] = "   "
+    return rows
+
+
 # task: fixtures (what its arguments take before the output folder), arguments, the equivalence runs' overrides,
 # the 1-process batch (2 processes and accumulation take half), the weights' (rtol, atol) or None, the logged
 # losses' relative tolerance (None: torch.testing.assert_close's float32 default), the eval figure compared and
 # its relative tolerance, the resumed runs' overrides, the micro-batch the run is killed at and the step it
-# resumes from, its rows, how to spoil one, the refusal's message ({data}: the file), and the cells marked slow.
+# resumes from, its rows, how to spoil one, the refusal's message ({data}: the file), the cells marked slow, and
+# (optionally) logged figures that must be equal at every step ("same").
 CONTRACTS = {
     "text_classification": dict(
         fixtures=("tiny_model", "easy_data"), args=tiny_args, batch=8, weights=(1e-5, 1e-6), losses=None,
@@ -84,6 +90,14 @@ CONTRACTS = {
         # The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights.
         resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2), spoil=bad_pair,
         message="dpo.chosen_column: the row with prompt 'review : ", slow=("two_processes", "resume")),
+    # GRPO samples 4 completions of each prompt, keyed by (seed, epoch, prompt index, completion): every run
+    # draws the same ones, which the step's reward and completion lengths (over all 32) show at every step.
+    "grpo": dict(
+        fixtures=("pair_tokenizer", "pair_data"), args=grpo_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=["train.max_steps=4", "optim.name=sgd", "optim.lr=0.5", "train.max_grad_norm=null"],
+        eval=("reward", 1e-5), resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2),
+        spoil=blank_prompt, message="grpo.prompt_column: the row", slow=(),
+        same=("reward", "reward_std", "completions/mean_length", "completions/max_length")),
 }
 
 
@@ -156,6 +170,9 @@ def assert_equivalent(spec: dict, got: Path, expected: Path) -> None:
         assert all(a[k] == pytest.approx(b[k], rel=spec["losses"]) for k in a), (a, b)
     key, rel = spec["eval"]
     assert summary(got)["eval"][key] == pytest.approx(summary(expected)["eval"][key], rel=rel)
+    for name in spec.get("same", ()):
+        a, b = ([r[name] for r in read_metrics(out) if "loss" in r] for out in (got, expected))
+        assert a == b and len(a) == len(losses_by_step(expected)), name
 
 
 @tasks("accumulation")

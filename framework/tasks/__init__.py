@@ -31,7 +31,9 @@ The loop, the devices, checkpoints and reports know nothing else about it. A tas
   accelerator's device, which ``frozen_models()`` lists for the memory plan); the loop only ever calls the task.
 - ``peft_task_type``: peft's task type for adapters on its model (``CAUSAL_LM``, ``SEQ_CLS``);
 - ``step(cfg)``: the optimizer step the loop runs (framework/step.py): supervised micro-batches with accumulation
-  unless the task brings its own (online RL generates, scores, then updates);
+  unless the task brings its own (``grpo`` generates, scores, then updates);
+- ``keeps_other_columns``: its rows keep every column of the data, not only ``columns(cfg)`` (``grpo`` passes
+  them to its reward functions);
 - ``harness``: whether its model is a causal LM that lm-evaluation-harness can score (``eval.harness``).
 """
 
@@ -39,6 +41,6 @@ from framework.tasks.base import (MODEL_ERRORS, ReportSection, Task, get_task, r
                                   task_keys)
 
 # The built-in tasks register themselves.
-from framework.tasks import text_classification, causal_lm, masked_lm, sft, dpo  # noqa: E402,F401  isort: skip
+from framework.tasks import text_classification, causal_lm, masked_lm, sft, dpo, grpo  # noqa: E402,F401  isort: skip
 
 __all__ = ["MODEL_ERRORS", "ReportSection", "Task", "get_task", "register", "registered", "sections", "task_keys"]

@@ -4,10 +4,6 @@ recipe name."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import re
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -20,6 +16,7 @@ from framework.config import core_keys
 from framework.errors import UserError
 from framework.memory import Workload
 from framework.step import Step, SupervisedStep
+from framework.user_code import module_of
 
 # What transformers raises on a model, config or tokenizer the user got wrong (a missing or damaged file, a
 # size that does not divide, a config value of the wrong type: transformers 5 configs are strict dataclasses).
@@ -45,6 +42,7 @@ class Task:
     reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
     harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
     sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
+    keeps_other_columns = False  # rows keep every column of the data, not only columns(cfg) (GRPO's rewards read them)
     options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
     # peft's task type for its model (LoRA): what the wrapped model's forward accepts and, for classification, the
     # new head (``classifier`` or ``score``) kept trainable; None: peft's default.
@@ -169,30 +167,9 @@ def get_task(name: str) -> Task:
 
 
 def _load(spec: str) -> None:
-    where, _, class_name = spec.rpartition(":")
     fix = "write task: path/to/file.py:ClassName or task: package.module:ClassName, naming a Task subclass"
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise UserError(f"task: {spec!r}: {path} does not exist (relative paths start at {Path.cwd()}); {fix}")
-            module_name = "framework_user_task_" + re.sub(r"\W", "_", str(path.resolve()))
-            module = sys.modules.get(module_name)  # the file under another spelling of its path: loaded once
-            if module is None:
-                found = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(found)
-                sys.modules[module_name] = module  # dataclasses look their module up while the file runs
-                try:
-                    found.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[module_name]
-                    raise
-        else:
-            module = importlib.import_module(where)
-    except UserError:
-        raise
-    except Exception as e:  # the user's code: any error it raises on import is theirs to fix
-        raise UserError(f"task: {spec!r}: importing {where} failed ({type(e).__name__}: {e}); {fix}") from None
+    module, class_name = module_of(spec, "task", fix, "framework_user_task_")
+    where = spec.rpartition(":")[0]
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"task: {spec!r}: {where} has no Task subclass named {class_name!r}; {fix}")

@@ -179,19 +179,7 @@ class DPO(CausalLM):
         return check
 
     def load(self, cfg, train, evaluation):
-        config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
-        tokenizer, key = self.tokenizer(cfg)
-        # Before a new model sizes its vocabulary; a built-in template gives an EOS-less tokenizer its end of turn.
-        chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
-        if tokenizer.eos_token_id is None:
-            raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
-                            "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
-        if tokenizer.pad_token is None:  # padding reuses EOS; padding is never a target
-            tokenizer.pad_token = tokenizer.eos_token
-        model = self._from_config(cfg, tokenizer) if config is None else pretrained_causal_lm(cfg.model, config)
-        chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
-        data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
-        return model, tokenizer
+        return load_completion_model(self, cfg)
 
     def sequence_length(self, cfg, model) -> int:
         return cfg.data.max_length
@@ -203,12 +191,8 @@ class DPO(CausalLM):
             raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under FSDP or DeepSpeed "
                             "yet (its weights load on the first process only); use distributed.strategy=ddp, or "
                             "dpo.loss=simpo (no reference)")
-        if cfg.dpo.loss == "simpo" or cfg.dpo.precompute_reference:
-            reference = None
-        elif adapters.is_adapted(model):
-            reference = ADAPTER_OFF
-        else:
-            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+        needed = cfg.dpo.loss != "simpo" and not cfg.dpo.precompute_reference
+        reference = reference_model(model, accelerator) if needed else None
         task = super().for_run(model, accelerator, cfg)  # the run's loss settings, decided where every LM's are
         task.dpo, task.reference = cfg.dpo, reference
         task.autocast, task.unwrap = accelerator.autocast, accelerator.unwrap_model
@@ -344,6 +328,40 @@ class PairCollator:
         if self.rows is not None:
             batch["valid"] = torch.arange(self.rows) < real
         return batch
+
+
+def completion_tokenizer(task: CausalLM, cfg):
+    """(tokenizer, the recipe key it came from) for prompts and completions: with ``data.chat_template`` (a
+    built-in one gives an EOS-less tokenizer its end of turn as EOS), an EOS token (it ends every completion, as
+    in TRL), and padding that reuses EOS where it has no padding token (padding is never a target)."""
+    tokenizer, key = task.tokenizer(cfg)
+    chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
+                        "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, key
+
+
+def load_completion_model(task: CausalLM, cfg):
+    """(model, tokenizer) of a task on prompts and completions (dpo, grpo): the pretrained causal LM or a new
+    one from ``model.config``, its embeddings grown for a built-in template's special tokens, checked to take
+    ``data.max_length`` tokens."""
+    config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
+    tokenizer, _ = completion_tokenizer(task, cfg)  # before a new model sizes its vocabulary
+    model = task._from_config(cfg, tokenizer) if config is None else pretrained_causal_lm(cfg.model, config)
+    chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
+    data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
+    return model, tokenizer
+
+
+def reference_model(model: torch.nn.Module, accelerator):
+    """The frozen reference of a model as loaded (its starting weights): with peft the model itself with its
+    adapter switched off (``ADAPTER_OFF``: no second copy), else a frozen copy on the accelerator's device."""
+    if adapters.is_adapted(model):
+        return ADAPTER_OFF
+    return copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
 
 
 def tokenize_pair(tokenizer, prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:

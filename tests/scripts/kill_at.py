@@ -1,5 +1,6 @@
 """Runs the real CLI and SIGKILLs its own process at micro-batch KILL_AT_MICRO (counted from the start of
-this process), to test resuming after a crash at an exact, chosen point (inside an accumulation window too).
+this process, as calls of framework.step.backward_and_step: every task's step, supervised or not, goes through
+it), to test resuming after a crash at an exact, chosen point (inside an accumulation window too).
 
 KILL_SIGNAL (default SIGKILL) sends another signal instead: SIGSTOP freezes the process (a hung machine).
 KILL_ONCE=PATH: only the first process to get there does it, leaving PATH behind (holding the time it did and its
@@ -13,19 +14,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
-from framework.step import SupervisedStep  # noqa: E402
+import framework.step  # noqa: E402
 from run import main  # noqa: E402  (recipes/run.py: the default recipe too)
 
 kill_at = int(os.environ["KILL_AT_MICRO"])
 sig = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
 once = os.environ.get("KILL_ONCE")
-micro_batch = SupervisedStep.micro_batch
+backward_and_step = framework.step.backward_and_step
 seen = 0
 
 
-def micro_batch_then_maybe_die(self, *args):
+def micro_batch_then_maybe_die(*args):
     global seen
-    loss_sum = micro_batch(self, *args)
+    loss_sum = backward_and_step(*args)
     seen += 1
     if seen == kill_at:
         if once:
@@ -38,7 +39,7 @@ def micro_batch_then_maybe_die(self, *args):
     return loss_sum
 
 
-SupervisedStep.micro_batch = micro_batch_then_maybe_die
+framework.step.backward_and_step = micro_batch_then_maybe_die
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,115 @@
+"""Sampling completions keyed by example, not by process: what one row draws depends only on its key.
+
+Online RL draws several completions per prompt. A sampler seeded per process (TRL's ``set_seed(seed,
+device_specific=True)``) draws other completions when the process count or the accumulation changes, so runs
+cannot be compared or reproduced across launches. Here each completion row gets its own ``torch.Generator``,
+seeded from a key the caller derives from what identifies the draw (``row_seed``: the run's seed, the epoch,
+the prompt's index in the dataset, the completion's number), and generation is ``model.generate`` itself (KV
+cache, stopping at the stop tokens, left-padded batches) in greedy mode with one more logits processor,
+:class:`KeyedSampling`: it turns the scores into the sampling distribution (temperature, then top-k, then
+top-p: transformers' own warpers, as ``generate(do_sample=True)`` applies them) and adds Gumbel noise drawn
+from each row's generator. The argmax of log-probabilities plus independent Gumbel(0, 1) noise is an exact
+sample of the distribution (the Gumbel-max trick), so greedy decoding of the noised scores samples, and row r's
+t-th token uses the t-th draw of row r's generator whatever else is in the batch.
+
+What may still differ between layouts is the logits themselves in their last bits (a batch of another size or
+padding sums in another order); a draw changes only where that moves the argmax of the noised scores, a tie
+to within rounding: rare (tests/test_task_contract.py's runs on 1 and 2 processes and with accumulation draw the
+same completions at every step).
+
+The model's own generation defaults (``generation_config.json``: a repetition penalty, suppressed tokens, its
+sampling settings) are set aside while sampling: they would change the distribution sampled from, which must be
+the one the loss's log-probabilities describe (the model's logits over the temperature, as TRL computes them).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, List, Sequence
+
+import numpy as np
+import torch
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: the warpers' settings, the longest completion, and the token ids that end one."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    max_new_tokens: int
+    stop_ids: Sequence[int]
+    pad_id: int
+
+
+def row_seed(*key: int) -> int:
+    """A 63-bit generator seed from non-negative integers (numpy's SeedSequence hashing: nearby keys give
+    unrelated streams)."""
+    state = np.random.SeedSequence([int(k) for k in key]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class KeyedSampling(LogitsProcessor):
+    """The last logits processor of a greedy ``generate``: warps the scores (temperature, top-k, top-p) and adds
+    Gumbel noise from each row's own generator, so that the argmax ``generate`` takes is a sample."""
+
+    def __init__(self, sampling: Sampling, seeds: Sequence[int], device: torch.device):
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        logp = torch.log_softmax(scores.float(), dim=-1)  # -inf where the warpers removed a token
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
+                               for g in self.generators])
+        tiny = torch.finfo(uniform.dtype).tiny
+        return logp - torch.log(-torch.log(uniform.clamp(min=tiny)))
+
+
+@contextmanager
+def neutral_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
+    """``model``'s generation defaults set aside (module docstring); under peft, its base model's, which
+    ``generate`` reads."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
+def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[int], sampling: Sampling,
+             greedy: bool = False) -> List[List[int]]:
+    """One completion per prompt (token ids, through its first stop token if it stopped), row i drawn with the
+    generator seeded ``seeds[i]``; ``greedy``: the most likely tokens instead (evaluation). The model is put in
+    eval mode (no dropout) and left so; call it inside ``backend.generating``, which restores training mode."""
+    device = next(model.parameters()).device
+    longest = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), longest), sampling.pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, ids in enumerate(prompts):  # left-padded: every row's next token is at the end
+        input_ids[i, longest - len(ids):] = torch.tensor(ids)
+        attention_mask[i, longest - len(ids):] = 1
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=False, num_beams=1,
+                              pad_token_id=sampling.pad_id, eos_token_id=list(sampling.stop_ids))
+    processors = LogitsProcessorList([] if greedy else [KeyedSampling(sampling, seeds, device)])
+    model.eval()
+    with torch.no_grad(), neutral_generation_defaults(model):
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             generation_config=config, logits_processor=processors)
+    stops = set(sampling.stop_ids)
+    completions = []
+    for row in out[:, longest:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+        completions.append(row[:end])
+    return completions

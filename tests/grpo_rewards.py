@@ -1,0 +1,32 @@
+"""Reward functions for tests/test_grpo.py and the task contract, written as a user would (TRL's signature), and
+broken ones, each wrong in one way a user's can be."""
+
+
+def characters(prompts, completions, completion_ids, **columns):
+    """A reward every completion gets, varying with its length in characters: a random model's completions
+    differ in it, so every group has advantages that are not zero."""
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 20 for c in completions]
+
+
+def only_rotten(prompts, completions, completion_ids, **columns):
+    """1.0 where the completion (text, or TRL's [{"role": "assistant", "content": ...}]) is the word 'rotten', None
+    (not scored) where the answer column is 'fresh'."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [None if a.strip() == "fresh" else float(t.strip() == "rotten") for t, a in zip(texts, columns["chosen"])]
+
+
+def too_few(prompts, completions, completion_ids, **columns):
+    return [1.0] * (len(completions) - 1)
+
+
+def not_a_number(prompts, completions, completion_ids, **columns):
+    return ["high" if i == 3 else 1.0 for i in range(len(completions))]
+
+
+def raises(prompts, completions, completion_ids, **columns):
+    """Divides by zero on the rows whose answer is 'rotten'."""
+    return [1.0 / (answer.strip() == "fresh") for answer in columns["chosen"]]
+
+
+def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)

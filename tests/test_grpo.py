@@ -1,0 +1,348 @@
+"""Online RL (task grpo): the loss and gradients equal TRL 1.16's GRPOTrainer for every loss type both have; the
+log-probabilities recorded before the updates equal the training forward's; sampling is keyed by row (a row
+draws the same tokens alone or in any batch) and samples the distribution it claims; the built-in rewards; a
+tiny model learns; every way a reward function can be wrong ends with exit 2 and one sentence naming it
+(tests/test_task_contract.py: 1 process = 2 = accumulation, with the same completions drawn, and exact resume)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import GRPO_REWARDS, TINY_GRPO, grpo_args, read_metrics, summary
+from in_process import fresh_process, run_captured, run_main
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "yes", "no"]
+# Rollouts for the comparison with TRL: prompts of uneven lengths, completions ending at EOS or cut at the
+# longest completion (6 tokens), so that padding is on both sides in TRL's layout and targets differ per row.
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [6, 14], [7, 8, 9, 10]]
+COMPLETIONS = [[9, 10, 0], [11, 12, 13, 14, 15, 4], [4, 0], [12, 13, 14, 15, 5, 6]]  # 0: <eos>
+MAX_COMPLETION = 6
+
+
+def llama(tmp_path: Path) -> Path:
+    """A tiny Llama (RoPE: TRL's left-padded prompts and our right-padded rows give the same logits) with a
+    word tokenizer, saved: TRL loads its reference from the path."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from framework.testing import save_word_tokenizer
+
+    folder = save_word_tokenizer(tmp_path / "llama", WORDS)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, eos_token_id=0, pad_token_id=1, bos_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def trl_inputs(advantage: torch.Tensor, old: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The rollouts in TRL's layout: prompts left-padded, completions right-padded."""
+    prompt_len = max(len(p) for p in PROMPTS)
+    prompt_ids = torch.full((len(PROMPTS), prompt_len), 1)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    completion_ids = torch.full((len(PROMPTS), MAX_COMPLETION), 1)
+    completion_mask = torch.zeros_like(completion_ids)
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        prompt_ids[i, prompt_len - len(p):], prompt_mask[i, prompt_len - len(p):] = torch.tensor(p), 1
+        completion_ids[i, :len(c)], completion_mask[i, :len(c)] = torch.tensor(c), 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": advantage, "old_per_token_logps": old,
+            "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}
+
+
+def ours_layout(values: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-completion-token values in TRL's layout (rows x completion) moved to ours (rows x sequence: completion
+    token t of row i is the target of position len(prompt i) - 1 + t)."""
+    out = torch.zeros(len(PROMPTS), length)
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        out[i, len(p) - 1:len(p) - 1 + len(c)] = values[i, :len(c)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory):
+    """TRL's GRPOTrainer on the tiny Llama (temperature 0.7), and the path of that model."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    folder = llama(tmp_path_factory.mktemp("trl"))
+    args = GRPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=MAX_COMPLETION, temperature=0.7, beta=0.04, epsilon=0.2,
+                      epsilon_high=0.28, report_to=[], use_cpu=True, bf16=False, logging_steps=1)
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "the cat"}] * 8))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer, folder
+
+
+@pytest.mark.parametrize("loss,beta", [("dapo", 0.0), ("grpo", 0.0), ("dr_grpo", 0.0), ("bnpo", 0.0),
+                                       ("dapo", 0.04), ("grpo", 0.04)])
+def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
+    """For the same rollouts, advantages, old log-probabilities (perturbed, so that some ratios are clipped on
+    both sides) and reference log-probabilities, our loss and its gradients equal TRL's ``_compute_loss`` within
+    1e-5 (fp32; our log-probabilities through the chunked head, 5 tokens at a time)."""
+    from transformers import AutoModelForCausalLM
+
+    from framework.tasks.grpo import GRPO, GrpoConfig, loss_sum, normaliser, rollout_batch, token_losses
+    from helpers import grads
+
+    trainer, folder = trl_trainer
+    trainer.loss_type, trainer.beta = loss, beta
+    g = torch.Generator().manual_seed(3)
+    advantage = torch.randn(len(PROMPTS), generator=g)
+    inputs = trl_inputs(advantage, None, None)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), MAX_COMPLETION)[0]
+    old = logps + 0.3 * torch.randn(logps.shape, generator=g)
+    ref = logps + 0.5 * torch.randn(logps.shape, generator=g)
+    inputs = trl_inputs(advantage, old, ref if beta else None)
+    trainer.model.zero_grad()
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+    trl_grads = grads(trainer.model)
+
+    policy = AutoModelForCausalLM.from_pretrained(folder).train()
+    task = GRPO()
+    task.grpo = GrpoConfig(loss=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                           max_completion_length=MAX_COMPLETION)
+    task.loss_chunk, task.select_targets = 5, True
+    batch = rollout_batch(PROMPTS, COMPLETIONS, advantage, [True] * len(PROMPTS), 1, "cpu")
+    length = batch["input_ids"].shape[1]
+    ours = task.token_logprobs(policy, batch)
+    per_token, ratio, _ = token_losses(ours, ours_layout(old, length), ours_layout(ref, length) if beta else None,
+                                       batch["advantages"], task.grpo)
+    mask = (batch["targets"] != -100).float()
+    our_loss = loss_sum(per_token, mask, task.grpo) / normaliser(mask, task.grpo)
+    our_loss.backward()
+    clipped = ((ratio < 0.8) | (ratio > 1.28)) & mask.bool()
+    assert 0 < int(clipped.sum()) < int(mask.sum())  # a batch that clips some tokens and not others
+
+    loss_diff = abs(our_loss.item() - trl_loss.item())
+    ours_grads = {name.replace("base_model.model.", ""): value for name, value in grads(policy).items()}
+    grad_diff = max((ours_grads[name] - value).abs().max().item() for name, value in trl_grads.items())
+    scale = max(value.abs().max().item() for value in trl_grads.values())
+    print(f"{loss} beta={beta}: loss {our_loss.item():.6f} vs TRL {trl_loss.item():.6f} (|diff| {loss_diff:.1e}), "
+          f"gradients max |diff| {grad_diff:.1e} (largest gradient {scale:.2e})")
+    assert ours_grads.keys() == trl_grads.keys()
+    assert loss_diff <= 1e-5 and grad_diff <= 1e-5
+
+
+def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tokenizer, pair_data, tmp_path,
+                                                               monkeypatch):
+    """With two iterations the step records every micro-batch's log-probabilities (no gradients) before updating;
+    the first update's forward on the same micro-batch gives the same values (fp32, within 1e-5), so the first
+    update's ratio is 1 to that precision."""
+    from framework import train
+    from framework.config import load_config
+
+    cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "grpo.iterations=2",
+                                           "train.gradient_accumulation_steps=2")[2:])
+    with fresh_process(hf_home):
+        run = train.setup(cfg)
+        calls = []
+        forward = run.task.token_logprobs
+
+        def recording(model, batch):
+            logps = forward(model, batch)
+            calls.append((torch.is_grad_enabled(), logps.detach().clone(), batch["targets"] != -100))
+            return logps
+
+        monkeypatch.setattr(run.task, "token_logprobs", recording)
+        batches = iter(run.data.train_dl)
+        run.model.train()
+        run.step(run, [next(batches), next(batches)])
+    assert [grad for grad, _, _ in calls] == [False, False, True, True, True, True]  # recorded, then 2 x 2 updates
+    worst = 0.0
+    for (_, recorded, mask), (_, trained, _) in zip(calls[:2], calls[2:4]):
+        assert mask.sum() > 0
+        worst = max(worst, (recorded - trained)[mask].abs().max().item())
+    print(f"recorded vs training forward log-probabilities: max |diff| {worst:.1e}")
+    assert worst <= 1e-5
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+
+
+def test_a_row_draws_the_same_tokens_alone_or_in_any_batch():
+    """Row r's tokens depend on its seed only: alone, or third in a batch of other prompts (longer ones: its
+    left padding changes), it draws the same completion; another seed draws another; the model's generation
+    defaults (a repetition penalty, suppressed tokens, its own sampling) change nothing."""
+    from framework.sampling import Sampling, generate, row_seed
+
+    model = tiny_gpt2()
+    settings = Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12, stop_ids=[0], pad_id=1)
+    prompt, seed = [5, 6, 7], row_seed(42, 0, 17, 3)
+    alone = generate(model, [prompt], [seed], settings)[0]
+    batch = generate(model, [[9, 10, 11, 12, 13], [3, 4], prompt, prompt],
+                     [row_seed(42, 0, 1, 0), row_seed(42, 0, 2, 0), seed, row_seed(42, 0, 17, 4)], settings)
+    assert batch[2] == alone and len(alone) >= 6
+    assert batch[3] != alone
+    # The model's own generation defaults are set aside: they would change the distribution sampled from.
+    model.generation_config.update(repetition_penalty=10.0, do_sample=True, temperature=5.0, suppress_tokens=alone[:1])
+    assert generate(model, [prompt], [seed], settings)[0] == alone
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.8)])
+def test_keyed_sampling_draws_the_warped_distribution(top_k, top_p):
+    """20,000 rows, each its own generator, one draw each from fixed logits at temperature 0.7: every token's
+    frequency is within 4 standard errors of the probability transformers' warpers give it (top-k, top-p
+    removed tokens never drawn)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from framework.sampling import KeyedSampling, Sampling, row_seed
+
+    rows = 20_000
+    logits = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]]).expand(rows, -1)
+    settings = Sampling(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=1, stop_ids=[0], pad_id=0)
+    noised = KeyedSampling(settings, [row_seed(7, i) for i in range(rows)], torch.device("cpu"))(None, logits)
+    counts = torch.bincount(noised.argmax(dim=1), minlength=6).double() / rows
+    warped = TemperatureLogitsWarper(0.7)(None, logits[:1].clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.softmax(warped, dim=-1)[0].double()
+    assert torch.all(counts[expected == 0] == 0)
+    error = (expected * (1 - expected) / rows).sqrt()
+    assert torch.all((counts - expected).abs() <= 4 * error + 1e-12), (counts, expected)
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_built_in_rewards():
+    from framework import rewards
+
+    from framework.errors import UserError
+
+    prompts = ["q"] * 4
+    completions = [" fresh ", "The sum is 1,234.", "12.50", [{"role": "assistant", "content": "fresh"}]]
+    columns = {"answer": ["fresh", "1234", 12.5, "fresh"]}
+    [exact, numeric, regex] = rewards.load(["exact_match", "numeric", "regex"], "answer", r"[a-z ]+")
+    ids = [[1]] * 4
+    assert exact(prompts, completions, ids, columns).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert regex(prompts, completions, ids, columns).tolist() == [1.0, 0.0, 0.0, 1.0]
+    numbers = {"answer": ["1,234", "1234", 12.5, "-3"]}
+    assert numeric(prompts, completions[:3] + ["it is -3.0"], ids, numbers).tolist() == [0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(UserError, match="numeric: completion 0 .* has the answer 'fresh' in column 'answer', which "
+                                        "is not a number"):
+        numeric(prompts, completions, ids, columns)
+    only = rewards.load([f"{GRPO_REWARDS}:only_rotten"], None, None)[0]
+    scored = only(prompts, ["rotten", "rotten", "x", "rotten"], ids, {"chosen": ["fresh", "rotten", "rotten", " rotten"]})
+    assert scored[0] != scored[0] and scored[1:].tolist() == [1.0, 0.0, 1.0]  # None: NaN, left out of means
+
+
+BAD = {  # reward function -> what the one error line says
+    "tests/no_such_file.py:f": "'tests/no_such_file.py:f': tests/no_such_file.py does not exist",
+    f"{GRPO_REWARDS}:nothing": "has no function named 'nothing'",
+    "no_such_package.rewards:f": "importing no_such_package.rewards failed (ModuleNotFoundError",
+    f"{GRPO_REWARDS}:no_kwargs": "does not take TRL's arguments (prompts, completions, completion_ids, **columns",
+    f"{GRPO_REWARDS}:too_few": "returned 15 values for 16 completions",
+    f"{GRPO_REWARDS}:not_a_number": "returned 'high' for completion 3 (prompt 'review : ",
+    f"{GRPO_REWARDS}:raises": "raised ZeroDivisionError: float division by zero on completion ",
+}
+
+
+@pytest.mark.parametrize("function", list(BAD))
+def test_a_bad_reward_function_exits_2_naming_it(hf_home, pair_tokenizer, pair_data, tmp_path, function):
+    out = tmp_path / "out"
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, out, f"grpo.reward_functions=[{function}]"), hf_home)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"grpo.reward_functions: '{function}'" in errors[0] and BAD[function] in errors[0], errors[0]
+    assert not (out / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_path, seed):
+    """The prompts end with a sentiment word; the reward is 1 for answering its verdict ('fresh' or 'rotten': one
+    token of 43) and 0 otherwise. A random tiny GPT-2 starts near 1/43; in 30 steps of 64 completions its mean
+    reward over the last 10 steps is at least 0.25 above the first 5 steps' (measured: 0.037 -> 0.463 with seed 1,
+    0.037 -> 0.378 with seed 2: it learns to answer with a verdict, then which one, until its groups agree)."""
+    out = tmp_path / "out"
+    args = grpo_args(pair_tokenizer, pair_data, out, f"seed={seed}", "grpo.reward_functions=[exact_match]",
+                     "grpo.max_completion_length=1", "grpo.num_generations=8", "train.batch_size=8",
+                     "train.max_steps=30")
+    assert run_main(args, hf_home) == 0
+    rewards = [r["reward"] for r in read_metrics(out) if "reward" in r]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    print(f"seed {seed}: mean reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 21-30)")
+    assert len(rewards) == 30 and first < 0.15 and last - first >= 0.25
+
+
+def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
+    """Conversation prompts through chatml, three weighted rewards (one skipping rows with None), the KL penalty
+    against a frozen reference (counted by the memory plan), two iterations, the grpo loss, step-wide reward
+    scaling, truncated completions masked: it trains, logs TRL's figures, evaluates greedily and samples."""
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": json.loads(line)["prompt"]}], "chosen": json.loads(line)["chosen"]}
+            for line in pair_data.read_text().splitlines()]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = grpo_args(pair_tokenizer, data, out, "data.chat_template=chatml", "data.max_length=32",
+                     f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters,{GRPO_REWARDS}:only_rotten]",
+                     "grpo.reward_weights=[1.0,1.0,0.5]", "grpo.beta=0.1", "grpo.iterations=2", "grpo.loss=grpo",
+                     "grpo.scale_rewards=batch", "grpo.mask_truncated_completions=true", "grpo.max_completion_length=8",
+                     "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3")
+    assert run_main(args, hf_home) == 0
+    assert "frozen models (the task's reference, never trained)" in capsys.readouterr().out
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert len(records) == 3
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "rewards/only_rotten/mean",
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "kl"):
+        assert all(key in r for r in records), key
+    print({key: [round(r[key], 4) for r in records] for key in ("reward", "kl", "completions/clipped_ratio")})
+    # The second iteration of step 1 runs a policy one update away from the reference. (The KL is over trained
+    # tokens: once every completion is truncated and masked, as the length reward soon makes them, there are none.)
+    assert records[0]["kl"] > 0 and all(r["kl"] >= 0 for r in records)
+    s = summary(out)
+    assert s["memory_plan"]["frozen_model_bytes"] == s["memory"]["weight_bytes"] > 0
+    assert s["eval"]["prompts"] == 20 and "rewards/only_rotten" in s["eval"]
+    assert s["sample"]["prompt"].startswith("<|im_start|>") and "<|im_end|>" in s["sample"]["prompt"]
+    assert "reward" in s["sample"]
+
+
+def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm, tmp_path, capsys):
+    """Under peft no copy is made: the reference is the trained model with its adapter switched off. LoRA starts
+    as the identity (B = 0), so the first step's policy is its reference (KL exactly 0); after an update it is
+    not. Generation goes through peft's model."""
+    import json
+
+    from helpers import WORDS, documents
+
+    rows = [{"prompt": " ".join(d["text"].split()[:4])} for d in documents(40, seed=5)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = ["--config", str(TINY_GRPO), "model.config=null", f"model.name_or_path={pretrained_lm}", f"data.train_file={data}",
+            f"output_dir={out}", f"grpo.reward_functions=[{GRPO_REWARDS}:characters]", "grpo.beta=0.5",
+            "peft.r=4", "peft.alpha=8", "train.max_steps=3", "optim.lr=5e-2"]
+    assert run_main(args, hf_home) == 0
+    s = summary(out)
+    assert s["memory_plan"]["frozen_model_bytes"] == 0 and s["memory"]["trainable_parameters"] < 10_000
+    kl = [r["kl"] for r in read_metrics(out) if "kl" in r]
+    print("kl per step:", kl)
+    assert kl[0] == 0.0 and kl[-1] > 0
+    assert set(s["sample"]["generated"].split()) <= set(WORDS) | {"<eos>"}
+    assert (out / "model" / "adapter_config.json").exists()
