@@ -218,12 +218,7 @@ def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torc
     ``head(hidden)``, differentiable, never holding more than ``chunk`` tokens' logits. ``select``: first drop
     the ignored tokens (dynamic shapes), so the head runs on the completions only (a preference pair's answer is
     often a few tokens of a long prompt)."""
-    flat_hidden, flat_targets, counted = _flat(hidden, targets, select)
-    flat = _TokenLogprobs.apply(flat_hidden, flat_targets, head, chunk, *_trainable(head))
-    if counted is None:
-        return flat.view(targets.shape).sum(dim=-1)
-    rows = torch.arange(targets.shape[0], device=targets.device).repeat_interleave(targets.shape[1])[counted]
-    return torch.zeros(targets.shape[0], dtype=flat.dtype, device=flat.device).index_add(0, rows, flat)
+    return token_logprobs(hidden, head, targets, chunk, select).sum(dim=-1)
 
 
 def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
