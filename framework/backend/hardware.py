@@ -1,9 +1,10 @@
-"""What the hardware is and holds: the device's name, its peak FLOP/s (a datasheet table, or a probe on the CPU),
-and its memory."""
+"""What the hardware is and holds: the device's name, its peak FLOP/s (a datasheet table; on the CPU its cores,
+clock and vector width), and its memory."""
 
 from __future__ import annotations
 
-import time
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
@@ -54,31 +55,68 @@ def table_peak(row: str, matmul_precision: str) -> Optional[float]:
     return None if value is None else value * 1e12
 
 
-PROBE_SIZE = 1024  # the largest probe product; a slow dtype (bf16 without native support: 0.8 GFLOP/s here) gets smaller ones
+# FLOPs a core's vector units can finish in a cycle, by the widest instruction set its flags name: two fused
+# multiply-add pipes of that width (a multiply-add is 2 FLOPs), as x86 server cores since Haswell and Zen 2 have.
+# bf16 and fp16 run at the fp32 rate unless the core has instructions of its own for them (AMX tiles; AVX-512's
+# bf16 and fp16 dot products). An upper bound by construction: no kernel exceeds it, so neither does the MFU.
+CPU_FLOPS_PER_CYCLE = (  # (flag, dtype, FLOPs a cycle a core); the first row whose flag the CPU has and whose dtype matches
+    ("amx_bf16", "bfloat16", 1024), ("amx_fp16", "float16", 1024),
+    ("avx512_bf16", "bfloat16", 128), ("avx512_fp16", "float16", 128),
+    ("avx512f", None, 64), ("avx2", None, 32), ("avx", None, 16), ("sse2", None, 8),
+)
 
 
-def measure_matmul_peak(dtype: torch.dtype, seconds: float = 0.3) -> tuple:
-    """(FLOP/s, size) of this process's square matrix products on the CPU with its current threads: the best of
-    repeated timings for about ``seconds``, at the largest size up to PROBE_SIZE whose product takes under 20 ms.
-    A BLAS product that size runs near what the cores can do (here 67 GFLOP/s at 1024 and 72 at 512, fp32, 2
-    threads), so it stands in for a peak no datasheet gives for this machine."""
-    generator = torch.Generator().manual_seed(0)  # its own: the run's random state (dropout) stays untouched
-    size = 128
-    while True:
-        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-        start = time.perf_counter()
-        out = torch.mm(a, b)  # also warms up: thread pool, packing buffers
-        if size >= PROBE_SIZE or time.perf_counter() - start > 0.02:
-            break
-        size *= 2
-    flops = 2 * size ** 3
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = max(best, flops / (time.perf_counter() - start))
-        if time.perf_counter() >= deadline:
-            return best, size
+def _cpuinfo() -> Tuple[set, Optional[float]]:
+    """The CPU's flags and its clock in Hz: the kernel's highest frequency (cpufreq, where it is exposed) or the
+    clock /proc/cpuinfo reports (in a virtual machine the nominal one). Empty and None off Linux."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set(), None
+    flags = set()
+    clocks = []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features"):
+            flags.update(value.split())
+        elif key == "cpu MHz":
+            clocks.append(float(value) * 1e6)
+    try:
+        clocks.append(int(open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read()) * 1e3)
+    except (OSError, ValueError):
+        pass
+    return flags, max(clocks) if clocks else None
+
+
+def _usable_cores() -> int:
+    """The physical cores this process may run on: its CPUs, with SMT siblings (two CPUs of one core, which share
+    its vector units) counted once."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(cpu)
+    return len(cores)
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> Tuple[Optional[float], str]:
+    """This process's peak FLOP/s on the CPU in ``dtype`` and how it was reckoned: the cores its threads can use x
+    the clock x the FLOPs a core's vector units finish a cycle (``CPU_FLOPS_PER_CYCLE``). None where the clock
+    or the instruction set is not known (then no MFU)."""
+    flags, clock = _cpuinfo()
+    name = str(dtype).replace("torch.", "")
+    per_cycle = next(((flag, n) for flag, kind, n in CPU_FLOPS_PER_CYCLE
+                      if flag in flags and kind in (None, name)), None)
+    if clock is None or per_cycle is None:
+        return None, "no CPU clock or vector instruction set readable from /proc/cpuinfo: no MFU"
+    cores = min(torch.get_num_threads(), _usable_cores())
+    flag, n = per_cycle
+    return cores * clock * n, (f"{cores} cores x {clock / 1e9:.3g} GHz x {n} {name} FLOPs a cycle ({flag}): "
+                               "the vector units' bound, not a measurement")
 
 
 def _device_name(accelerator: Accelerator) -> str:
@@ -100,14 +138,11 @@ def _device_name(accelerator: Accelerator) -> str:
 
 def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
     """One device's peak FLOP/s in the precision its matrix products run in, and where the figure comes from
-    (said in the plan). On the CPU it is measured (a short matrix-product probe with this process's threads);
+    (said in the plan). On the CPU it is reckoned from its cores, clock and vector units (``cpu_peak_flops``);
     elsewhere it comes from ``PEAK_TFLOPS`` by the device's name; None for a device the table lacks."""
     precision = accelerator.mixed_precision
     if accelerator.device.type == "cpu":
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        value, size = measure_matmul_peak(dtype)
-        return value, (f"measured: {str(dtype).replace('torch.', '')} {size}x{size} matrix products, "
-                       f"{torch.get_num_threads()} threads")
+        return cpu_peak_flops({"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32))
     name = _device_name(accelerator)
     row = chip(name)
     if precision == "no":  # fp32 products run on tensor cores as TF32 only when torch allows it
