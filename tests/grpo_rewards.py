@@ -1,6 +1,8 @@
 """Reward functions for tests/test_grpo.py and the task contract, written as a user would (TRL's signature), and
 broken ones, each wrong in one way a user's can be."""
 
+import os
+
 
 def characters(prompts, completions, completion_ids, **columns):
     """A reward every completion gets, varying with its length in characters: a random model's completions
@@ -29,4 +31,11 @@ def raises(prompts, completions, completion_ids, **columns):
 
 
 def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)
+
+
+def fails_on_the_second_process(prompts, completions, completion_ids, **columns):
+    """A reward that raises on the launch's second process only (its RANK), as a user's can on some rows."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("no answer key on this process")
     return [0.0] * len(completions)

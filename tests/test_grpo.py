@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GRPO_REWARDS, TINY_GRPO, grpo_args, read_metrics, summary
+from helpers import GRPO_REWARDS, ROOT, TINY_GRPO, finish, free_port, grpo_args, machines, read_metrics, summary
 from in_process import fresh_process, run_captured, run_main
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "yes", "no"]
@@ -266,6 +266,24 @@ def test_a_bad_reward_function_exits_2_naming_it(hf_home, pair_tokenizer, pair_d
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"grpo.reward_functions: '{function}'" in errors[0] and BAD[function] in errors[0], errors[0]
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_function_failing_on_one_machine_stops_the_other(hf_home, pair_tokenizer, pair_data, tmp_path):
+    """Two machines' launchers of one process each: the reward fails on the second only. Both end with its message
+    (exit 2 from each process), no traceback. Before, the first machine's process died in the step's gather with
+    a traceback of gloo's lost connection and no word of why (NCCL would have waited out its timeout): no
+    launcher sees another machine's process fail."""
+    out = tmp_path / "out"
+    function = f"{GRPO_REWARDS}:fails_on_the_second_process"
+    args = grpo_args(pair_tokenizer, pair_data, out, f"grpo.reward_functions=[{function}]", "train.batch_size=2")
+    results = finish(machines(args, 2, hf_home, free_port()), timeout=240)
+    for status, output, _ in results:
+        assert status != 0 and "exitcode  : 2" in output, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"grpo.reward_functions: '{function}'" in errors[0], output[-3000:]
+        assert "no answer key on this process" in errors[0] and str(ROOT / "framework") not in output
     assert not (out / "summary.json").exists()
 
 

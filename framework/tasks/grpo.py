@@ -50,6 +50,7 @@ from typing import Dict, List, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 
 import framework.step
 from framework import backend, chat, data, losses, rewards, sampling
@@ -288,7 +289,7 @@ class GRPO(CausalLM):
                                           chat.end_of_turn_ids(tokenizer, cfg.data.chat_template),
                                           tokenizer.pad_token_id)
         task.reference = reference_model(model, accelerator) if g.beta > 0 else None
-        task.autocast, task.unwrap = accelerator.autocast, accelerator.unwrap_model
+        task.autocast, task.unwrap, task.accelerator = accelerator.autocast, accelerator.unwrap_model, accelerator
         task.sequences_per_example = g.num_generations
         return task
 
@@ -332,6 +333,20 @@ class GRPO(CausalLM):
         scores = [function(prompts, completions, completion_ids, columns) for function in self.rewards]
         return torch.tensor(np.stack(scores, axis=1), dtype=torch.float32)
 
+    def score_together(self, rows: List[Dict], completion_ids: List[List[int]]) -> torch.Tensor:
+        """``score`` on every process at once: where a reward function fails on any process, every process ends with
+        that process's message (a UserError), instead of the others waiting for it in the next collective."""
+        try:
+            scores, message = self.score(rows, completion_ids), None
+        except UserError as error:
+            scores, message = None, str(error)
+        if self.accelerator.num_processes > 1:
+            messages = [m for m in gather_object([message]) if m]
+            message = messages[0] if messages else None
+        if message:
+            raise UserError(message)
+        return scores
+
     def weights(self) -> torch.Tensor:
         w = self.grpo.reward_weights
         return torch.tensor(w if w is not None else [1.0] * len(self.rewards), dtype=torch.float32)
@@ -369,7 +384,7 @@ class GRPO(CausalLM):
         """Per held-out prompt: the rewards of its greedy completion, per function and weighted."""
         inner = self.unwrap(model)
         completions = sampling.generate(inner, batch["prompt_ids"], [], self.sampling, greedy=True)
-        per_function = self.score(batch["rows"], completions)
+        per_function = self.score_together(batch["rows"], completions)
         device = next(inner.parameters()).device
         return {"rewards": per_function.to(device), "reward": weighted_rewards(per_function, self.weights()).to(device)}
 
@@ -454,8 +469,8 @@ class GrpoStep:
                  for batch in batches for index in batch["index"] for j in range(group)]
         with backend.generating(acc, run.model, run.mesh) as model:
             completions = sampling.generate(model, prompts, seeds, task.sampling)
-        per_function = task.score([row for batch in batches for row in batch["rows"] for _ in range(group)],
-                                  completions)
+        per_function = task.score_together([row for batch in batches for row in batch["rows"] for _ in range(group)],
+                                           completions)
         stops = set(task.sampling.stop_ids)
         truncated = torch.tensor([c[-1] not in stops for c in completions])
         completion_lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
