@@ -58,7 +58,8 @@ from framework.errors import UserError
 from framework.step import StepResult
 from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM
-from framework.tasks.dpo import ADAPTER_OFF, completion_tokenizer, evaluating, load_completion_model, reference_model
+from framework.tasks.completions import (ADAPTER_OFF, completion_tokenizer, evaluating, load_completion_model,
+                                         reference_model)
 from framework.tasks.language import IGNORE
 
 # The prepared rows' own columns, beside the data's: the prompt's tokens (``input_ids``, as the framework's length
