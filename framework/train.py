@@ -124,7 +124,8 @@ def setup(cfg: RunConfig) -> Run:
     model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps))
+    # One schedule step per weight update: a step of grpo updates grpo.iterations times.
+    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps * task.updates_per_step(cfg)))
     mesh.attach(accelerator, optimizer)
 
     plan = {
@@ -319,7 +320,8 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         with profiler.step(state.step + 1):
             window.add(run.step(run, step_batches))
         step_batches = []
-        run.scheduler.step()
+        for _ in range(run.task.updates_per_step(cfg)):
+            run.scheduler.step()
         if local_sgd is not None:
             local_sgd.step()
         state.step += 1

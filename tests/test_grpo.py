@@ -322,7 +322,7 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
                      f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters,{GRPO_REWARDS}:only_rotten]",
                      "grpo.reward_weights=[1.0,1.0,0.5]", "grpo.beta=0.1", "grpo.iterations=2", "grpo.loss=grpo",
                      "grpo.scale_rewards=batch", "grpo.mask_truncated_completions=true", "grpo.max_completion_length=8",
-                     "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3")
+                     "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3", "optim.scheduler=linear")
     assert run_main(args, hf_home) == 0
     assert "frozen models (the task's reference, never trained)" in capsys.readouterr().out
     records = [r for r in read_metrics(out) if "loss" in r]
@@ -334,6 +334,8 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     # The second iteration of step 1 runs a policy one update away from the reference. (The KL is over trained
     # tokens: once every completion is truncated and masked, as the length reward soon makes them, there are none.)
     assert records[0]["kl"] > 0 and all(r["kl"] >= 0 for r in records)
+    # The schedule advances with each update, as TRL's: 6 updates in 3 steps, linear to 0 over all 6.
+    assert [r["lr"] for r in records] == pytest.approx([1e-2 * (1 - 2 * k / 6) for k in (1, 2, 3)], abs=1e-12)
     s = summary(out)
     assert s["memory_plan"]["frozen_model_bytes"] == s["memory"]["weight_bytes"] > 0
     assert s["eval"]["prompts"] == 20 and "rewards/only_rotten" in s["eval"]

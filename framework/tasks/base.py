@@ -112,6 +112,10 @@ class Task:
         """The optimizer step the loop runs over each step's micro-batches."""
         return SupervisedStep()
 
+    def updates_per_step(self, cfg) -> int:
+        """How many times ``step`` updates the weights: the learning-rate schedule advances that often a step."""
+        return 1
+
     def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 

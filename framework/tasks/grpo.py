@@ -105,7 +105,7 @@ class GrpoConfig:
     """The ratio's upper clip: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."""
     iterations: int = field(default=1, metadata={"ge": 1})
     """Updates on each step's rollouts (GRPO's mu; TRL's num_iterations): the optimizer steps this many times per
-    loop step, on the same completions, and the learning-rate schedule advances once."""
+    loop step, on the same completions, and the learning-rate schedule advances with each (as TRL's)."""
     beta: float = field(default=0.0, metadata={"ge": 0.0})
     """Weight of the KL penalty against the reference model (0: no reference is kept)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -299,6 +299,9 @@ class GRPO(CausalLM):
 
     def step(self, cfg):
         return GrpoStep()
+
+    def updates_per_step(self, cfg) -> int:
+        return cfg.grpo.iterations
 
     # ------------------------------------------------------------ data
 
