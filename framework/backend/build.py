@@ -86,6 +86,27 @@ def fsdp2_on_cpu_processes(accelerator: Accelerator, plugin) -> bool:
     return True
 
 
+def fsdp2_wrap_classes(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """The block classes FSDP2's transformer wrap policy shards one by one: the model's ``_no_split_modules`` less
+    those that hold its input or output embeddings. accelerate (1.15) shards those embeddings as units of their own
+    after the blocks, so a block holding them would have them sharded twice: BERT's ``BertEmbeddings`` (a
+    no-split module around the word embeddings) ended the default classifier under fsdp.yaml with a TypeError
+    inside ``fully_shard``. Unchanged without FSDP2's transformer wrap, or where the classes were already set."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 2 or plugin.transformer_cls_names_to_wrap is not None:
+        return
+    policy = plugin.auto_wrap_policy
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
+        return
+    embeddings = [getattr(get(), "weight", None) for get in
+                  (getattr(model, "get_input_embeddings", lambda: None), getattr(model, "get_output_embeddings", lambda: None))]
+    holders = {type(m).__name__ for m in model.modules()
+               if any(w is not None and any(w is p for p in m.parameters()) for w in embeddings)}
+    plugin.transformer_cls_names_to_wrap = [c for c in (getattr(model, "_no_split_modules", None) or []) if c not in holders]
+
+
 def _hybrid_shard(accelerator: Accelerator, replicas: int) -> None:
     """HSDP: accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=processes / replicas), set
     up as ``Accelerator(parallelism_config=...)`` does (its device mesh, then its own validation), but after the

@@ -38,8 +38,11 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
 def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """Move the model to its device before the optimizer is built over its parameters: fused optimizers
     check the device, and on XLA the parameters must already be device tensors. FSDP and DeepSpeed place
-    (and shard) the model themselves in prepare()."""
+    (and shard) the model themselves in prepare(); FSDP2 is told which of its blocks to shard one by one."""
     if shards_parameters(accelerator):
+        from framework.backend.build import fsdp2_wrap_classes
+
+        fsdp2_wrap_classes(accelerator, model)
         return model
     model = model.to(accelerator.device)
     # On XLA, moving a module makes new parameter objects, which unties shared weights (GPT-2's embedding and
