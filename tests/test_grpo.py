@@ -287,6 +287,26 @@ def test_a_reward_function_failing_on_one_machine_stops_the_other(hf_home, pair_
     assert not (out / "summary.json").exists()
 
 
+def test_streaming_prompts_are_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path):
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "data.streaming=true",
+                                  "train.max_steps=2"), hf_home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "data.streaming: grpo reads its prompts from memory for now" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_fsdp_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
+    """FSDP2 on 2 CPU processes (fsdp.yaml): refused before training with the strategy's key, each process exiting 2."""
+    out = tmp_path / "out"
+    proc = cli(grpo_args(pair_tokenizer, pair_data, out), launch="fsdp.yaml", check=False, timeout=300,
+               launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr and errors, proc.stderr[-2000:]
+    assert all("task: grpo does not run under FSDP or DeepSpeed yet" in e and "distributed.strategy=ddp" in e
+               for e in errors)
+    assert str(ROOT / "framework") not in proc.stderr and not (out / "summary.json").exists()
+
+
 # ---------------------------------------------------------------- runs
 
 

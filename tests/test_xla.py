@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
-                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, grads, lm_args,
+                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, grads, grpo_args, lm_args,
                      packed_batch, read_metrics, review_conversations, segments, targets_of, tiny_args, tiny_causal_lm,
                      train_losses, worst_gradient, TINY_LM)
 
@@ -294,6 +294,15 @@ def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_
     proc = cli(tiny_args(tiny_model, easy_data, tmp_path / "qlora", *lora, "peft.quantize=4bit"), check=False)
     assert proc.returncode == 2 and "peft.quantize: 4-bit weights need bitsandbytes kernels" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_grpo_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
+    """Generation makes a new shape per token: task grpo on XLA stops before training, naming the keys to change."""
+    out = tmp_path / "grpo"
+    proc = cli(grpo_args(pair_tokenizer, pair_data, out, "backend=xla"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "task: grpo does not run on XLA yet" in proc.stderr and "backend=cpu or gpu" in proc.stderr
+    assert not (out / "summary.json").exists()
 
 
 # ---------------------------------------------------------------- parameters sharded over devices (XLA FSDP)
