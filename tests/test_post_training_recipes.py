@@ -6,7 +6,9 @@ measured on the rows it holds out against the untouched model and a baseline:
 - recipes/dpo.yaml on the sft run's model/ (the chain README shows): its reward accuracy and its generated
   verdicts against the sft model's;
 - recipes/causal_lm.yaml (continued pretraining on Hamlet): perplexity on the held-out speeches against the
-  untouched model's, computed here with transformers alone.
+  untouched model's, computed here with transformers alone;
+- recipes/grpo.yaml (online RL on two-number sums): the held-out reward of greedy answers generated through
+  pipeline(), scored here by the recipe's rules written anew, against the untouched model's.
 
 The untouched model's figures (minutes of generation) are recorded in tests/references/smollm2_untouched.json
 under a fingerprint of what they depend on: the model's weights file and the held-out rows. Where the fingerprint
@@ -31,7 +33,7 @@ from framework.config import load_config
 from framework.data import load_splits
 from framework.tasks import get_task
 
-SFT, DPO, CAUSAL_LM = (ROOT / "recipes" / f"{name}.yaml" for name in ("sft", "dpo", "causal_lm"))
+SFT, DPO, CAUSAL_LM, GRPO = (ROOT / "recipes" / f"{name}.yaml" for name in ("sft", "dpo", "causal_lm", "grpo"))
 CHAT_MODEL = ROOT / "assets" / "SmolLM2-135M-Instruct"
 VERDICTS = ("positive", "negative")
 # A recipe takes 5 to 9 minutes alone here, over 10 beside other work (make test): the CLI's 10-minute default
@@ -41,7 +43,7 @@ RUN_TIMEOUT = 2400
 
 def held_out(recipe: Path, *overrides: str):
     """The eval rows of ``recipe``, split by the framework: (prompts as conversations, their right answers) for
-    sft and dpo, the texts for causal_lm."""
+    sft, dpo and grpo, the texts for causal_lm."""
     cfg = load_config(recipe, list(overrides))
     task = get_task(cfg.task)
     rows = load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).eval
@@ -49,6 +51,8 @@ def held_out(recipe: Path, *overrides: str):
         return [r[:-1] for r in rows["messages"]], [r[-1]["content"] for r in rows["messages"]]
     if cfg.task == "dpo":
         return list(rows["prompt"]), [r[0]["content"] for r in rows["chosen"]]
+    if cfg.task == "grpo":
+        return list(rows["prompt"]), list(rows["answer"])
     return list(rows[cfg.data.text_column])
 
 
@@ -201,14 +205,16 @@ def test_dpo_on_the_sft_model_prefers_the_right_verdicts(sft_run, sft_verdicts, 
     cli(["--config", str(DPO), f"model.name_or_path={sft_run / 'model'}", f"output_dir={out}"], launch="cpu.yaml",
         timeout=RUN_TIMEOUT)
     prompts, right, sft_answers = sft_verdicts
-    assert (prompts, right) == held_out(DPO)  # the same reviews held out, in the same chat format
+    dpo_prompts, dpo_right = held_out(DPO)  # the first of the same reviews held out, in the same chat format
+    assert (dpo_prompts, dpo_right) == (prompts[:len(dpo_prompts)], right[:len(dpo_right)])
     sft_accuracy = strict_accuracy(sft_answers, right)
     dpo_accuracy = strict_accuracy(generated(out / "model", prompts), right)
     summary = json.loads((out / "summary.json").read_text())
-    print(f"dpo on sft: reward accuracy {summary['eval']['reward_accuracy']:.3f}, generated verdicts "
-          f"{dpo_accuracy:.3f} against sft's {sft_accuracy:.3f}, majority {majority(right):.3f} ({len(right)} "
-          f"held-out pairs); {summary['train']['wall_seconds']:.0f} s")
-    assert summary["eval"]["reward_accuracy"] >= majority(right) + 0.05
+    print(f"dpo on sft: reward accuracy {summary['eval']['reward_accuracy']:.3f} on {len(dpo_right)} held-out pairs "
+          f"(majority {majority(dpo_right):.3f}), generated verdicts {dpo_accuracy:.3f} against sft's "
+          f"{sft_accuracy:.3f} on {len(right)} (majority {majority(right):.3f}); "
+          f"{summary['train']['wall_seconds']:.0f} s")
+    assert summary["eval"]["reward_accuracy"] >= majority(dpo_right) + 0.05
     assert dpo_accuracy >= sft_accuracy
     check_plan_and_mfu(summary)
 
@@ -223,4 +229,32 @@ def test_continued_pretraining_on_hamlet_lowers_held_out_perplexity(cli, untouch
     print(f"causal_lm on Hamlet: held-out perplexity {after:.2f} against the untouched model's {before:.2f} "
           f"({len(texts)} speeches); the run's eval {summary['eval']}; {summary['train']['wall_seconds']:.0f} s")
     assert after <= 0.8 * before
+    check_plan_and_mfu(summary)
+
+
+def sum_rewards(answers, right) -> dict:
+    """The grpo recipe's rewards, written here apart from framework/rewards.py: 1 where the last number of the answer
+    is the sum, 0.5 where the answer is a number and nothing else; their means and the weighted total's."""
+    numbers = [re.findall(r"[-+]?\d+(?:\.\d*)?", a.replace(",", "")) for a in answers]
+    right_number = [float(bool(n) and float(n[-1]) == float(r)) for n, r in zip(numbers, right)]
+    alone = [float(re.fullmatch(r"\d+", a.strip()) is not None) for a in answers]
+    return {"numeric": float(np.mean(right_number)), "regex": float(np.mean(alone)),
+            "reward": float(np.mean(right_number) + 0.5 * np.mean(alone))}
+
+
+@pytest.mark.slow
+def test_grpo_on_sums_raises_the_held_out_reward(cli, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+    out = tmp_path / "grpo"
+    cli(["--config", str(GRPO), f"output_dir={out}"], launch="cpu.yaml", timeout=RUN_TIMEOUT)
+    prompts, right = held_out(GRPO)
+    length = load_config(GRPO, []).grpo.max_completion_length
+    before = sum_rewards(generated(CHAT_MODEL, prompts, max_new_tokens=length), right)
+    after = sum_rewards(generated(out / "model", prompts, max_new_tokens=length), right)
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"grpo on sums: held-out greedy reward {after} against the untouched model's {before} ({len(right)} "
+          f"sums); the run's eval {summary['eval']}; {summary['train']['wall_seconds']:.0f} s")
+    assert after["reward"] >= before["reward"] + 0.15
+    # The run's own evaluation (the framework's greedy generation and rewards) is the same figure.
+    assert abs(summary["eval"]["reward"] - after["reward"]) <= 0.02, (summary["eval"], after)
     check_plan_and_mfu(summary)

