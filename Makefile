@@ -10,7 +10,7 @@ LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_pr
 RUNS ?= runs
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz ci \
-	test-xla-all
+	test-xla-all test-slow-small test-slow-llm
 
 install: $(VENV)/.installed assets/.ready
 
@@ -49,15 +49,22 @@ test:
 test-slow:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-slow-cpu test-slow-xla
 
-# What CI runs (.ci/run): make test and make test-slow, packed for 2 cores. The XLA tier's slow tests follow its
-# other tests beside the CPU tier, which outlasts it by minutes and whose tiny-model tests leave part of a core idle;
-# then the CPU tier's slow tests (the real recipes, which use both cores).
+# What CI runs (.ci/run): make test and make test-slow, each test once, packed for 2 cores. Beside the CPU tier
+# (whose tiny-model tests leave part of a core idle): the XLA tier, its slow tests, then the CPU tier's slow tests
+# that are not SmolLM2's; then SmolLM2's recipes (marked llm), which use both cores.
 ci:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-cpu test-xla-all
-	@$(MAKE) --no-print-directory test-slow-cpu
+	@$(MAKE) --no-print-directory test-slow-llm
 
 test-xla-all: test-xla
 	@$(MAKE) --no-print-directory test-slow-xla
+	@$(MAKE) --no-print-directory test-slow-small
+
+test-slow-small: install
+	$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests
+
+test-slow-llm: install
+	$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests
 
 test-slow-cpu: install
 	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests

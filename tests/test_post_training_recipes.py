@@ -185,6 +185,7 @@ def monkeypatch_module():
 
 
 @pytest.mark.slow
+@pytest.mark.llm
 def test_the_sft_recipe_answers_held_out_reviews_better_than_the_untouched_model(sft_run, sft_verdicts, untouched):
     prompts, right, tuned = sft_verdicts
     accuracy = strict_accuracy(tuned, right)
@@ -200,6 +201,7 @@ def test_the_sft_recipe_answers_held_out_reviews_better_than_the_untouched_model
 
 
 @pytest.mark.slow
+@pytest.mark.llm
 def test_dpo_on_the_sft_model_prefers_the_right_verdicts(sft_run, sft_verdicts, cli, tmp_path):
     out = tmp_path / "dpo"
     cli(["--config", str(DPO), f"model.name_or_path={sft_run / 'model'}", f"output_dir={out}"], launch="cpu.yaml",
@@ -220,6 +222,7 @@ def test_dpo_on_the_sft_model_prefers_the_right_verdicts(sft_run, sft_verdicts, 
 
 
 @pytest.mark.slow
+@pytest.mark.llm
 def test_continued_pretraining_on_hamlet_lowers_held_out_perplexity(cli, untouched, tmp_path):
     out = tmp_path / "causal_lm"
     cli(["--config", str(CAUSAL_LM), f"output_dir={out}"], launch="cpu.yaml", timeout=RUN_TIMEOUT)
@@ -243,6 +246,7 @@ def sum_rewards(answers, right) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.llm
 def test_grpo_on_sums_raises_the_held_out_reward(cli, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
     out = tmp_path / "grpo"
