@@ -132,6 +132,18 @@ def activation_estimate(model_config: object, batch_size: int, seq_length: int, 
         return layers * e * b * s * h + per_layer
     return layers * per_layer
 
+def kv_cache_estimate(model_config: object, rows: int, length: int, element_bytes: int) -> int:
+    """Bytes of the key and value cache of ``rows`` sequences of ``length`` tokens generated at once: per layer
+    and token, a key and a value of every key-value head (grouped-query attention: fewer than the heads)."""
+    layers = getattr(model_config, "num_hidden_layers", None) or 0
+    heads = getattr(model_config, "num_attention_heads", None) or 0
+    if not (layers and heads and rows):
+        return 0
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return rows * length * layers * 2 * kv_heads * head_dim * element_bytes
+
+
 def logit_estimate(model_config: object, batch_size: int, seq_length: int, chunk: Optional[int] = None,
                    autocast: bool = False) -> int:
     """Bytes of a language model's logits, the largest activation at large vocabularies: batch x length x
@@ -155,6 +167,8 @@ class Workload:
     token_logits: bool = False  # language models: logits over the vocabulary for every token
     logits_chunk: Optional[int] = None  # with token_logits: tokens whose logits are held at once (the chunked loss)
     frozen: Sequence[torch.nn.Module] = ()  # models held beside it (DPO's reference: their weights, replicated)
+    generated_rows: int = 0  # sequences generated at once in a step (GRPO's completions), each holding a KV cache
+    generated_length: int = 0  # the longest each of them gets: prompt and completion, in tokens
 
 def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload: Workload = Workload()) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
@@ -194,7 +208,10 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
     activations = activation_estimate(config, rows, seq_length, 4 if cfg.precision == "no" else 2, checkpointing)
     logits = logit_estimate(config, rows, seq_length, logits_chunk, cfg.precision != "no") if token_logits else 0
     frozen_bytes = sum(weight_bytes(p) for m in workload.frozen for p in m.parameters())
-    on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + (activations or 0) + logits
+    # Generation holds its cache without gradients, before the update's forward keeps its activations: the larger.
+    kv_cache = kv_cache_estimate(config, workload.generated_rows, workload.generated_length,
+                                 4 if cfg.precision == "no" else 2)
+    on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + max((activations or 0) + logits, kv_cache)
                  + frozen_bytes)
     return {
         "parameters": sum(parameter_count(p) for p in params),
@@ -214,6 +231,9 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
         "activation_bytes": activations,
         "logit_bytes": logits,
         "frozen_model_bytes": frozen_bytes,
+        "kv_cache_bytes": kv_cache,
+        "generated_rows": workload.generated_rows,
+        "generated_length": workload.generated_length,
         "logits_chunk": logits_chunk if token_logits else None,
         "total_bytes": on_device,
     }
@@ -258,6 +278,9 @@ def format_plan(plan: Dict[str, object]) -> str:
         f"  optimizer state ({plan['optimizer']}): {_mib(plan['optimizer_state_bytes'])}{where('optimizer_state')}",
         f"  activations: {activations}",
         *([f"  logits: {_mib(plan['logit_bytes'])} ({_logits_held(plan)})"] if plan["logit_bytes"] else []),
+        *([f"  generation's KV cache: {_mib(plan['kv_cache_bytes'])} ({plan['generated_rows']} sequences x "
+           f"{plan['generated_length']} tokens; held before the update, the total counts the larger of it and "
+           "the update's activations and logits)"] if plan.get("kv_cache_bytes") else []),
         *([f"  frozen models (the task's reference, never trained): {_mib(plan['frozen_model_bytes'])}"]
           if plan.get("frozen_model_bytes") else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",

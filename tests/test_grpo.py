@@ -358,6 +358,9 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert [r["lr"] for r in records] == pytest.approx([1e-2 * (1 - 2 * k / 6) for k in (1, 2, 3)], abs=1e-12)
     s = summary(out)
     assert s["memory_plan"]["frozen_model_bytes"] == s["memory"]["weight_bytes"] > 0
+    # The generation's cache: 4 prompts x 4 completions, 32 + 8 tokens, 2 layers x key and value x 32 wide, fp32.
+    assert (s["memory_plan"]["generated_rows"], s["memory_plan"]["generated_length"]) == (16, 40)
+    assert s["memory_plan"]["kv_cache_bytes"] == 16 * 40 * 2 * 2 * 32 * 4
     assert s["eval"]["prompts"] == 20 and "rewards/only_rotten" in s["eval"]
     assert s["sample"]["prompt"].startswith("<|im_start|>") and "<|im_end|>" in s["sample"]["prompt"]
     assert "reward" in s["sample"]

@@ -193,6 +193,29 @@ def test_plan_uses_the_recipe_batch_length_precision_and_checkpointing():
     assert plan_of(model, cfg, 1)["activation_bytes"] == 2 * 63488
 
 
+def test_the_generations_kv_cache_by_hand_and_in_the_total():
+    """A key and a value per layer, token and key-value head (grouped-query attention: 2 of 4 heads here); the
+    total counts the larger of the cache (held while generating) and the update's activations."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    # 8 rows x 40 tokens x 3 layers x (key, value) x 2 heads x 16 wide x 4 bytes.
+    assert memory.kv_cache_estimate(config, 8, 40, 4) == 8 * 40 * 3 * 2 * 2 * 16 * 4
+    assert memory.kv_cache_estimate(config, 8, 40, 2) == 8 * 40 * 3 * 2 * 2 * 16 * 2
+    assert memory.kv_cache_estimate(config, 0, 40, 4) == 0
+    cfg = recipe()
+    cfg.train.batch_size, cfg.data.max_length, cfg.precision = 4, 16, "no"
+    model = tiny_bert()
+    states = plan_of(model, cfg, 1)
+    states = states["weight_bytes"] + states["gradient_bytes"] + states["optimizer_state_bytes"]
+    for rows in (1, 10_000):  # a cache smaller than the activations, then a larger one
+        plan = memory.plan(model, cfg, backend.memory_layout(cfg, 1),
+                           memory.Workload(seq_length=16, generated_rows=rows, generated_length=24))
+        assert plan["kv_cache_bytes"] == memory.kv_cache_estimate(model.config, rows, 24, 4)
+        assert plan["total_bytes"] == states + max(plan["activation_bytes"], plan["kv_cache_bytes"])
+    assert "generation's KV cache: " in memory.format_plan(plan)
+
+
 def test_adamw_plan_is_within_5_percent_of_the_measured_state():
     model = tiny_bert()
     cfg = recipe(name="adamw", lr=1e-3)

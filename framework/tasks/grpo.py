@@ -44,6 +44,7 @@ with a reference; each over the whole step (all processes), then averaged over t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
@@ -265,6 +266,12 @@ class GRPO(CausalLM):
 
     def sequence_length(self, cfg, model) -> int:
         return cfg.data.max_length + cfg.grpo.max_completion_length
+
+    def workload(self, cfg, model):
+        """As a language model's, and the step's generation: every completion of its micro-batches at once."""
+        rows = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * cfg.grpo.num_generations
+        return dataclasses.replace(super().workload(cfg, model), generated_rows=rows,
+                                   generated_length=self.sequence_length(cfg, model))
 
     def for_run(self, model, accelerator, cfg) -> "GRPO":
         """A copy holding the run's ``grpo`` keys, its reward functions (imported now: a missing one stops the run
