@@ -323,6 +323,25 @@ class Preempted(Exception):
     """Raised after the preemption checkpoint is saved; the CLI exits with status 3."""
 
 
+class Diverged(Exception):
+    """Raised where the training loss or a weight is no longer finite, before anything is written from it; the CLI
+    exits with status 4. The checkpoints saved before stay (none is rotated out for a non-finite one) and model/ is
+    not written."""
+
+
+def check_finite(accelerator: Accelerator, model: Optional[torch.nn.Module], loss: Optional[float], step: int) -> None:
+    """Raise Diverged where ``loss`` (already read over every process) or, with ``model`` and off XLA, any weight of
+    any process's shards is NaN or infinite. On XLA the weights are not read here: a new graph each time."""
+    if loss is not None and not np.isfinite(loss):
+        raise Diverged(f"the training loss is {loss} at step {step}")
+    if model is None or backend.on_xla(accelerator):
+        return
+    flags = [torch.isfinite(backend.local_shard(p)).all() for p in model.parameters()]
+    bad = bool(flags) and not bool(torch.stack(flags).all())  # one host read
+    if any_process(accelerator, bad)[0]:
+        raise Diverged(f"a weight is not finite after step {step}, although the loss was")
+
+
 # ---------------------------------------------------------------- model
 
 

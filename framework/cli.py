@@ -15,6 +15,7 @@ from framework.signals import Interrupted, Signals
 
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGINT with a checkpoint to resume from: the same command resumes
+EXIT_DIVERGED = 4  # the loss or a weight stopped being finite: stopped before writing anything from it
 # Stopped by a signal with nothing to resume from yet: 128 + the signal's number (130 SIGINT, 143 SIGTERM),
 # the shell's convention; the same command starts over.
 
@@ -42,8 +43,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None) -> int:
     """Run one training process; returns the exit status: 0 done, 2 user error, 3 stopped by SIGTERM/SIGINT
-    with a checkpoint to resume from (the same command resumes), 128 + signal number when stopped before
-    there was one."""
+    with a checkpoint to resume from (the same command resumes), 4 diverged (a non-finite loss or weight),
+    128 + signal number when stopped before there was one."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except UserError as e:
@@ -62,7 +63,7 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
             from framework import backend
 
             backend.select_backend(cfg)  # before anything imports accelerate
-            from framework.checkpoint import Preempted
+            from framework.checkpoint import Diverged, Preempted
             from framework.train import train
 
             try:
@@ -70,6 +71,11 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
             except Preempted as e:
                 _say(f"preempted: {e}")
                 return EXIT_PREEMPTED
+            except Diverged as e:
+                _say(f"diverged: {e}. Nothing was written from it: the checkpoints saved before stay, model/ is not "
+                     "written. Lower optim.lr or set train.max_grad_norm, then start again in a new output_dir or "
+                     "resume the last checkpoint")
+                return EXIT_DIVERGED
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR

@@ -345,7 +345,10 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
 
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
-    saved = dict(asdict(state), window=window.snapshot(), tokens=state.tokens + window.totals()[0])
+    snapshot = window.snapshot()
+    unlogged = snapshot["loss_sum"] / snapshot["targets"] if snapshot["targets"] else None
+    checkpoint.check_finite(run.accelerator, run.model, unlogged, state.step)  # never a non-finite checkpoint
+    saved = dict(asdict(state), window=snapshot, tokens=state.tokens + window.totals()[0])
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
                     recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * run.mesh.devices,
                     loader_state=run.data.loader_state())
@@ -361,6 +364,7 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
     if run.peak_flops:
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
     reporter.log(record)
+    checkpoint.check_finite(run.accelerator, None, closed.loss, state.step)  # logged, then the run stops
     reporter.show_speed(closed.loss, speed, record["tokens_per_second"])
     warning = run.compile_watch.check(state.step)
     if warning:
@@ -382,7 +386,7 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
         value = results[metric]
         if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
             state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
-            _save_model(run)
+            _save_model(run, state.step)
             return
         state.evals_without_improvement += 1
         patience = run.cfg.train.early_stopping_patience
@@ -399,7 +403,8 @@ def _log_harness(run: Run, reporter: Reporter, state: TrainState, model: torch.n
     reporter.log({"step": state.step, **harness.scalars(result)})
 
 
-def _save_model(run: Run) -> None:
+def _save_model(run: Run, step: int) -> None:
+    checkpoint.check_finite(run.accelerator, run.model, None, step)  # no model/ of non-finite weights
     merge = run.cfg.peft is not None and run.cfg.peft.merge
     checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model", run.mesh,
                           merge)
@@ -479,7 +484,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     fit_start = time.perf_counter()
     try:
         model_flops = fit(run, reporter, state, signals or Signals())
-    except (checkpoint.Preempted, UserError):
+    except (checkpoint.Preempted, checkpoint.Diverged, UserError):
         if page is not None:  # the page shows where the run stopped
             page.write()
         raise
@@ -490,7 +495,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if not state.evals or state.evals[-1]["step"] != state.step:
         _log_eval(run, reporter, state)
     if cfg.eval.metric is None:  # otherwise model/ already holds the best model
-        _save_model(run)
+        _save_model(run, state.step)
 
     samples = (state.step - first_step) * run.plan["effective_batch"]  # trained by this invocation
     summary = {
