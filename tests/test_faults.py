@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -42,3 +43,16 @@ def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(hf_home, word_to
     assert kept and all(kept.values()) and max(kept) < stop, (kept, stop)
     again = run_captured(args, hf_home)
     assert again.returncode == 4 and f"at step {stop}" in again.stderr and finite_checkpoints(out) == kept
+
+
+@pytest.mark.multiprocess
+def test_two_processes_stop_together_on_divergence(cli, word_tokenizer, corpus, tmp_path):
+    """The loss read at a log step is summed over the processes, so both see the NaN at the same step and stop
+    with status 4 (the launcher then exits 1), neither waiting for the other."""
+    out = tmp_path / "out"
+    args = lm_args(word_tokenizer, corpus, out, "optim.lr=1e4", "train.max_steps=30", "checkpoint.every_steps=2",
+                   "checkpoint.keep_last=2", "train.max_grad_norm=null", "train.batch_size=2")
+    proc = cli(args, launch="cpu_ddp.yaml", check=False, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 4") >= 1, proc.stderr[-3000:]
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("diverged:")]) == 1
+    assert not (out / "model").exists() and all(finite_checkpoints(out).values())
