@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 XVENV := .venv-xla
 # torch_xla 2.9.0 publishes Linux x86_64 wheels only; elsewhere the XLA tier is skipped, and says so.
 XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
-# The launch for `make run`: one process on whatever device is there (CPU here; it uses every core by itself).
-LAUNCH ?= $(BIN)/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
+# The launch for `make run`: one process on whatever device is there (CPU here; it uses every core by itself);
+# --quiet: a stopped run ends with the framework's line, not accelerate's CalledProcessError traceback after it.
+LAUNCH ?= $(BIN)/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz ci \

@@ -78,6 +78,9 @@ def files(value, key: str) -> List[str]:
             if not matches:
                 raise UserError(f"{key}: no file matches {pattern} (relative paths start at {Path.cwd()})")
             found += matches
+        elif Path(pattern).is_dir():
+            raise UserError(f"{key}: {pattern} is a folder, not a file; name its files (a glob such as "
+                            f"{Path(pattern) / '*.jsonl'} takes them all)")
         elif not Path(pattern).is_file():
             raise UserError(f"{key}: file {pattern} does not exist (relative paths start at {Path.cwd()})")
         else:

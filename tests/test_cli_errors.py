@@ -37,6 +37,11 @@ def test_missing_data_file(capsys, args, tmp_path):
     assert "data.train_file" in err and "missing.csv does not exist" in err
 
 
+def test_a_data_file_that_is_a_folder_is_named_so(capsys, args, tmp_path):
+    err = fails(capsys, args(f"data.train_file={tmp_path}"))
+    assert f"data.train_file: {tmp_path} is a folder, not a file" in err and f"{tmp_path / '*.jsonl'}" in err
+
+
 def test_unknown_data_format(capsys, args, tmp_path):
     (tmp_path / "data.xlsx").write_text("hello\n")
     assert "cannot tell the format" in fails(capsys, args(f"data.train_file={tmp_path / 'data.xlsx'}"))
