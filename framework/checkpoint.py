@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -215,6 +216,18 @@ def newest_complete(folder: Path) -> Tuple[Optional[Path], List[str]]:
             return path, warnings
         warnings.append(f"skipping checkpoint {path}: {problem}")
     return None, warnings
+
+
+class _TiedWeightsSaved(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...} while saving" warning, printed at every checkpoint of a model
+    with tied weights (an output layer sharing the embedding's storage): the tensor is saved once and tied again
+    on load, as the bitwise resume tests of tied models show, so the line is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in str(record.getMessage())
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsSaved())
 
 
 def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int],

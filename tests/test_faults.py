@@ -56,3 +56,11 @@ def test_two_processes_stop_together_on_divergence(cli, word_tokenizer, corpus, 
     assert proc.returncode == 1 and proc.stderr.count("exitcode  : 4") >= 1, proc.stderr[-3000:]
     assert len([line for line in proc.stderr.splitlines() if line.startswith("diverged:")]) == 1
     assert not (out / "model").exists() and all(finite_checkpoints(out).values())
+
+
+def test_checkpoints_of_a_tied_model_print_no_shared_tensor_warning(cli, word_tokenizer, corpus, tmp_path):
+    """accelerate warns at every save that it removed the tied output layer's shared tensor; the framework drops
+    that line (the weight is saved once and tied again on load)."""
+    proc = cli(lm_args(word_tokenizer, corpus, tmp_path / "out", "train.max_steps=4", "checkpoint.every_steps=2"))
+    assert len(list((tmp_path / "out" / "checkpoints").glob("step_*"))) == 2
+    assert "Removed shared tensor" not in proc.stdout + proc.stderr
