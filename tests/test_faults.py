@@ -1,5 +1,6 @@
 """Faults during a run lose nothing: a run whose loss or weights stop being finite stops (exit 4) before writing
-anything from them, and keeps every checkpoint saved before."""
+anything from them, and keeps every checkpoint saved before (one process or two). And the noise a run printed at
+every checkpoint of a tied model is gone."""
 
 from __future__ import annotations
 
