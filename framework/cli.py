@@ -73,8 +73,8 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
                 return EXIT_PREEMPTED
             except Diverged as e:
                 _say(f"diverged: {e}. Nothing was written from it: the checkpoints saved before stay, model/ is not "
-                     "written. Lower optim.lr or set train.max_grad_norm, then start again in a new output_dir or "
-                     "resume the last checkpoint")
+                     "written. Lower optim.lr or set train.max_grad_norm and start again in a new output_dir (the "
+                     "same recipe resumed diverges again)")
                 return EXIT_DIVERGED
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
