@@ -39,6 +39,7 @@ def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(hf_home, word_to
     stop = len(losses)
     assert not math.isfinite(losses[-1]) and all(math.isfinite(x) for x in losses[:-1]), losses
     assert f"the training loss is {losses[-1]} at step {stop}" in lines[0]
+    print(lines[0], {"checkpoints kept (step: finite)": finite_checkpoints(out)})
     assert not (out / "model").exists() and not (out / "summary.json").exists()
     kept = finite_checkpoints(out)
     assert kept and all(kept.values()) and max(kept) < stop, (kept, stop)
