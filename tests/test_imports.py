@@ -150,3 +150,16 @@ def test_ruff_finds_nothing():
     proc = subprocess.run([ruff, "check", "framework", "tests", "recipes", "benchmarks", "tools"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_reading_every_recipe_imports_no_accelerate():
+    """backend.select_backend must run before accelerate is imported (accelerate decides the device kind when it
+    loads: an XLA venv's `backend=cpu` run got XLA once grpo.py imported accelerate.utils at module level). Reading
+    a recipe imports every task module; none may bring accelerate in."""
+    script = ("import sys\nfrom pathlib import Path\nfrom framework.config import load_config\n"
+              "for recipe in sorted(Path('recipes').rglob('*.yaml')):\n"
+              "    try:\n        load_config(recipe, [])\n    except Exception:\n        pass\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] == 'accelerate'}))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

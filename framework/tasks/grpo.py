@@ -51,7 +51,6 @@ from typing import Dict, List, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate.utils import gather_object
 
 import framework.step
 from framework import backend, chat, data, losses, rewards, sampling
@@ -352,6 +351,8 @@ class GRPO(CausalLM):
         except UserError as error:
             scores, message = None, str(error)
         if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object  # not at import: the backend is chosen before accelerate loads
+
             messages = [m for m in gather_object([message]) if m]
             message = messages[0] if messages else None
         if message:
