@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from framework.backend import xla_spmd
+from framework.backend.build import fsdp2_wrap_classes
 from framework.backend.topology import is_tensor_parallel, on_xla, shards_parameters
 
 if TYPE_CHECKING:
@@ -40,8 +41,6 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     check the device, and on XLA the parameters must already be device tensors. FSDP and DeepSpeed place
     (and shard) the model themselves in prepare(); FSDP2 is told which of its blocks to shard one by one."""
     if shards_parameters(accelerator):
-        from framework.backend.build import fsdp2_wrap_classes
-
         fsdp2_wrap_classes(accelerator, model)
         return model
     model = model.to(accelerator.device)
