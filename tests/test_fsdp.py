@@ -58,6 +58,17 @@ def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def assert_trains_alike(a: Path, b: Path, weight_tolerance: dict = WEIGHT_TOLERANCE) -> None:
+    """Two runs' losses at every logged step within LOSS_TOLERANCE, and their saved weights, name for name, within
+    ``weight_tolerance``."""
+    torch.testing.assert_close(torch.tensor(list(losses_by_step(a).values())),
+                               torch.tensor(list(losses_by_step(b).values())), **LOSS_TOLERANCE)
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], **weight_tolerance, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
     """2 processes under accelerate_configs/fsdp.yaml with the default strategy (auto): FSDP2, sharded checkpoints."""
@@ -97,14 +108,9 @@ def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_r
     cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch())
     train_ok(lm_args(word_tokenizer, corpus, one, *COMMON, "train.batch_size=8"), hf_home)
-    fsdp_losses = torch.tensor(list(losses_by_step(out).values()))
-    assert len(fsdp_losses) == 12
+    assert len(losses_by_step(out)) == 12
     for other in (ddp, one):
-        torch.testing.assert_close(fsdp_losses, torch.tensor(list(losses_by_step(other).values())), **LOSS_TOLERANCE)
-        w, expected = weights(out), weights(other)
-        assert w.keys() == expected.keys()  # the tied output layer is not saved twice
-        for name in w:
-            torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+        assert_trains_alike(out, other)  # the same weight names: the tied output layer is not saved twice
     ev = [r for r in read_metrics(out) if "eval_loss" in r][-1]
     ev_one = [r for r in read_metrics(one) if "eval_loss" in r][-1]
     assert ev["eval_tokens"] == ev_one["eval_tokens"]  # every eval token counted once over the 2 processes
@@ -122,12 +128,7 @@ def test_a_bert_classifier_under_fsdp2_trains_what_one_process_with_twice_the_ba
                       launch_args=launch())
     assert "strategy: fsdp (version 2)" in proc.stdout
     train_ok(tiny_args(tiny_model, easy_data, one, *common), hf_home)
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
-                               torch.tensor(list(losses_by_step(one).values())), **LOSS_TOLERANCE)
-    w, expected = weights(fsdp), weights(one)
-    assert w.keys() == expected.keys()
-    for name in w:
-        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    assert_trains_alike(fsdp, one)
 
 
 def test_each_process_holds_half_of_the_states_as_the_plan_says(fsdp_run):
@@ -333,11 +334,7 @@ def test_unpacked_rows_under_fsdp2_train_what_one_process_with_twice_the_batch_d
     fsdp, one = tmp_path / "fsdp", tmp_path / "one"
     cli_module(lm_args(word_tokenizer, corpus, fsdp, *unpacked), launch="fsdp.yaml", launch_args=launch())
     train_ok(lm_args(word_tokenizer, corpus, one, *unpacked, "train.batch_size=8"), hf_home)
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
-                               torch.tensor(list(losses_by_step(one).values())), **LOSS_TOLERANCE)
-    w, expected = weights(fsdp), weights(one)
-    for name in w:
-        torch.testing.assert_close(w[name], expected[name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_trains_alike(fsdp, one, weight_tolerance=dict(rtol=1e-4, atol=1e-4))
 
 
 @pytest.mark.slow
@@ -348,11 +345,7 @@ def test_streaming_under_fsdp2_trains_what_ddp_does(cli_module, corpus, word_tok
     cli_module(lm_args(word_tokenizer, corpus, fsdp, *stream), launch="fsdp.yaml", launch_args=launch())
     cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch())
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
-                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
-    w, expected = weights(fsdp), weights(ddp)
-    for name in w:
-        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE)
+    assert_trains_alike(fsdp, ddp)
 
 
 @pytest.mark.slow
@@ -367,12 +360,7 @@ def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(cli_module, corpus
     assert "strategy: fsdp (version 2, HSDP: 2 replicas x 2 shards)" in proc.stdout
     cli_module(lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
                launch_args=launch(4))
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(hsdp).values())),
-                               torch.tensor(list(losses_by_step(ddp).values())), **LOSS_TOLERANCE)
-    w, expected = weights(hsdp), weights(ddp)
-    assert w.keys() == expected.keys()
-    for name in w:
-        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    assert_trains_alike(hsdp, ddp)
     result = summary(hsdp)
     held, plan = result["memory"]["per_device"], result["memory_plan"]
     assert plan["shards"] == 2 and held["weight_bytes"] == plan["weight_bytes"]
@@ -414,14 +402,10 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     proc = cli_module(llama_args(word_tokenizer, corpus, tp, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
                       launch_args=launch())
     assert "strategy: tensor parallel (2 processes)" in proc.stdout and "effective_batch: 4" in proc.stdout
-    tp_losses = torch.tensor(list(losses_by_step(tp).values()))
-    assert len(tp_losses) == 12
-    torch.testing.assert_close(tp_losses, torch.tensor(list(losses_by_step(one).values())), **LOSS_TOLERANCE)
-    w, expected = weights(tp), weights(one)
-    assert w.keys() == expected.keys() and "lm_head.weight" not in w  # tied: the matrix once
-    for name in w:
-        assert w[name].shape == expected[name].shape, name  # whole, not a shard
-        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    assert len(losses_by_step(tp)) == 12
+    assert_trains_alike(tp, one)  # each weight whole, not a shard: assert_close compares shapes too
+    w = weights(tp)
+    assert "lm_head.weight" not in w  # tied: the matrix once
     result, result_one = summary(tp), summary(one)
     assert result["eval"]["tokens"] == result_one["eval"]["tokens"]  # each process evaluated all: counted once
     assert result["eval"]["loss"] == pytest.approx(result_one["eval"]["loss"], rel=1e-5)
@@ -445,12 +429,8 @@ def test_tensor_parallel_shards_an_untied_head_of_its_own(cli_module, corpus, wo
     train_ok(llama_args(word_tokenizer, corpus, one, untied), hf_home)
     cli_module(llama_args(word_tokenizer, corpus, tp, untied, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
                launch_args=launch())
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(tp).values())),
-                               torch.tensor(list(losses_by_step(one).values())), **LOSS_TOLERANCE)
-    w, expected = weights(tp), weights(one)
-    assert w.keys() == expected.keys() and "lm_head.weight" in w
-    for name in w:
-        torch.testing.assert_close(w[name], expected[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    assert_trains_alike(tp, one)
+    assert "lm_head.weight" in weights(tp)
 
 
 @pytest.mark.slow
