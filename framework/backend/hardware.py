@@ -70,7 +70,7 @@ def _cpuinfo() -> Tuple[set, Optional[float]]:
     """The CPU's flags and its clock in Hz: the kernel's highest frequency (cpufreq, where it is exposed) or the
     clock /proc/cpuinfo reports (in a virtual machine the nominal one). Empty and None off Linux."""
     try:
-        text = open("/proc/cpuinfo").read()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set(), None
     flags = set()
@@ -83,7 +83,7 @@ def _cpuinfo() -> Tuple[set, Optional[float]]:
         elif key == "cpu MHz":
             clocks.append(float(value) * 1e6)
     try:
-        clocks.append(int(open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read()) * 1e3)
+        clocks.append(int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) * 1e3)
     except (OSError, ValueError):
         pass
     return flags, max(clocks) if clocks else None
