@@ -1,4 +1,4 @@
-# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz | ci   (each installs what it needs)
+# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz | faults | ci   (each installs what it needs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 LAUNCH ?= $(BIN)/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
 
-.PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz ci \
+.PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
 	test-xla-all test-slow-small test-slow-llm
 
 install: $(VENV)/.installed assets/.ready
@@ -83,6 +83,13 @@ endif
 FUZZ_EXAMPLES ?= 2000
 fuzz: install
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz_inputs.py
+
+# The fault-injection harness (tests/test_faults.py) with FAULT_CASES random cases (make test runs a fixed few).
+# As root: it mounts a small tmpfs to fill up.
+FAULT_CASES ?= 200
+faults: install
+	FAULT_CASES=$(FAULT_CASES) $(BIN)/python -m pytest -p no:cacheprovider --hypothesis-show-statistics \
+		tests/test_faults.py -k fault_loses_nothing
 
 # Benchmarks print ratios measured side by side in one run (CPU here; pass --device gpu on a GPU machine).
 bench: install

@@ -24,7 +24,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from framework import adapters, backend, profiling, report
+from framework import adapters, backend, disk, profiling, report
 from framework.config import RunConfig, resume_differences
 from framework.errors import UserError
 
@@ -67,6 +67,9 @@ def start_point(cfg: RunConfig) -> StartPoint:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir: {out} is a file; choose a folder")
+    unwritable = disk.unwritable(out)
+    if unwritable:
+        raise UserError(f"output_dir: {unwritable}; choose another output_dir=...")
     found = previous_outputs(out)
     finished = (out / "summary.json").exists()
     source, notes = _resume_source(cfg)  # checkpoint.resume: PATH, read only
@@ -166,12 +169,24 @@ def clear_previous_outputs(output_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def truncate_metrics(output_dir: Path, step: int) -> None:
-    """On resume, drop the log lines the interrupted run wrote after its checkpoint: they are redone."""
+def truncate_metrics(output_dir: Path, state: Dict) -> None:
+    """On resume, drop the log lines the interrupted run wrote after its checkpoint (``state``): they are redone.
+    The checkpoint records how many there were; an older one, only its step."""
     path = output_dir / "metrics.jsonl"
     if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        report.write_text(path, "".join(line + "\n" for line in kept))
+        kept = [line for line in path.read_text().splitlines() if _logged_by(line, state["step"])]
+        if state.get("metrics_lines") is not None:
+            kept = kept[:state["metrics_lines"]]
+        disk.write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _logged_by(line: str, step: int) -> bool:
+    """Whether a line of metrics.jsonl is a whole record of a step up to ``step`` (a run killed mid-line leaves a
+    partial last one, redone by the resumed run)."""
+    try:
+        return json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -234,28 +249,52 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
          recipe: Dict, devices: int, loader_state: Optional[Dict] = None) -> Path:
     """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively).
     ``recipe`` (``config.to_dict``) and ``devices`` are recorded so that a resume can be checked against them.
-    ``loader_state``: this process's position in a stream (each process reads its own share)."""
+    ``loader_state``: this process's position in a stream (each process reads its own share).
+
+    A failed write (no space, read-only, the folder gone) removes its temporary folder and raises
+    ``disk.WriteFailed``; the checkpoints before it are untouched. Older checkpoints are removed only after the new
+    one is complete (renamed into place)."""
     folder = output_dir / "checkpoints"
-    final = folder / f"step_{state['step']}"
-    tmp = folder / f".tmp_step_{state['step']}"
+    name = f"step_{state['step']}"
+    final, tmp = folder / name, folder / f"{disk.PARTIAL}{name}"
+    what = f"checkpoint {name}"
+    newest = newest_complete(folder)[0] if accelerator.is_main_process else None
+    needed = _size(newest) if newest else None  # about what the previous checkpoint took
+    with disk.writing(what, folder, needed, partial=tmp):
+        if accelerator.is_main_process:
+            disk.remove(tmp)
+            folder.mkdir(exist_ok=True)  # not its parents: a vanished output_dir is not made again
+            tmp.mkdir()
+        accelerator.wait_for_everyone()
+        backend.save_state(accelerator, str(tmp))
+        if loader_state is not None:
+            save_loader_state(loader_state, tmp, accelerator.process_index)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+            record = {"state": state, "devices": devices, "recipe": recipe, "files": files}
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
+            _replace(tmp, final)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    backend.save_state(accelerator, str(tmp))
-    if loader_state is not None:
-        save_loader_state(loader_state, tmp, accelerator.process_index)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        record = {"state": state, "devices": devices, "recipe": recipe, "files": files}
-        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # the rename is what makes it a checkpoint
         _retain(folder, keep_last, protect_step)
     accelerator.wait_for_everyone()
     return final
+
+
+def _size(path: Path) -> int:
+    return sum(entry["size"] for entry in json.loads((path / STATE_FILE).read_text())["files"].values())
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; a complete folder already there (the same step saved again) is
+    moved aside first and removed only once the new one is in place."""
+    old = final.with_name(f"{disk.REPLACED}{final.name}")
+    if final.exists():
+        disk.remove(old)
+        os.replace(final, old)
+    os.replace(tmp, final)  # the rename is what makes it complete
+    disk.remove(old)
 
 
 def _retain(folder: Path, keep_last: int, protect_step: Optional[int]) -> None:
@@ -355,6 +394,33 @@ def check_finite(accelerator: Accelerator, model: Optional[torch.nn.Module], los
         raise Diverged(f"a weight is not finite after step {step}, although the loss was")
 
 
+class SkippedSteps:
+    """``train.on_nonfinite: skip``: whether each optimizer update may go ahead, from its gradient norm (every
+    process agrees), counting the updates skipped: in all, in a row, and in the current step."""
+
+    def __init__(self, limit: int, total: int = 0, in_a_row: int = 0):
+        self.limit, self.total, self.in_a_row = limit, total, in_a_row
+        self.step, self.in_step = 0, 0
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` (counted from 1) starts."""
+        self.step, self.in_step = step, 0
+
+    def allow(self, accelerator: Accelerator, norm: torch.Tensor) -> bool:
+        """Whether an update may use gradients of norm ``norm``; raises Diverged at the ``limit``-th non-finite one
+        in a row. One host read and, on several processes, an all-reduce (under local SGD one process's NaN is its
+        own)."""
+        bad = any_process(accelerator, not bool(torch.isfinite(norm)))[0]
+        if not bad:
+            self.in_a_row = 0
+            return True
+        self.total, self.in_a_row, self.in_step = self.total + 1, self.in_a_row + 1, self.in_step + 1
+        if self.in_a_row >= self.limit:
+            raise Diverged(f"the gradient norm is not finite at step {self.step}, {self.in_a_row} times in a row "
+                           f"(train.max_skipped_steps: {self.limit})")
+        return False
+
+
 # ---------------------------------------------------------------- model
 
 
@@ -369,15 +435,16 @@ def save_model(accelerator: Accelerator, model, tokenizer, path: Path, mesh: bac
     """
     state_dict = backend.state_dict_for_save(accelerator, model, mesh)
     if accelerator.is_main_process:
-        tmp = path.with_name(f".tmp_{path.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = backend.unwrap(accelerator, model, mesh)
-        if adapters.is_adapted(unwrapped):
-            adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
-        else:
-            with backend.saving_gathered(unwrapped):
-                unwrapped.save_pretrained(tmp, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        tmp = path.with_name(f"{disk.PARTIAL}{path.name}")
+        needed = sum(t.numel() * t.element_size() for t in state_dict.values()) if state_dict else None
+        with disk.writing(f"{path.name}/", path.parent, needed, partial=tmp):
+            disk.remove(tmp)
+            unwrapped = backend.unwrap(accelerator, model, mesh)
+            if adapters.is_adapted(unwrapped):
+                adapters.save(unwrapped, state_dict, tokenizer, tmp, merge=merge)
+            else:
+                with backend.saving_gathered(unwrapped):
+                    unwrapped.save_pretrained(tmp, state_dict=state_dict)
+                tokenizer.save_pretrained(tmp)
+            _replace(tmp, path)
     accelerator.wait_for_everyone()

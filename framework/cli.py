@@ -16,6 +16,7 @@ from framework.signals import Interrupted, Signals
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGINT with a checkpoint to resume from: the same command resumes
 EXIT_DIVERGED = 4  # the loss or a weight stopped being finite: stopped before writing anything from it
+EXIT_WRITE_FAILED = 5  # an output could not be written (no space, read-only, output_dir gone): nothing complete lost
 # Stopped by a signal with nothing to resume from yet: 128 + the signal's number (130 SIGINT, 143 SIGTERM),
 # the shell's convention; the same command starts over.
 
@@ -43,8 +44,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None) -> int:
     """Run one training process; returns the exit status: 0 done, 2 user error, 3 stopped by SIGTERM/SIGINT
-    with a checkpoint to resume from (the same command resumes), 4 diverged (a non-finite loss or weight),
-    128 + signal number when stopped before there was one."""
+    with a checkpoint to resume from (the same command resumes), 4 diverged (a non-finite loss or weight), 5 an
+    output could not be written (no space, read-only, vanished), 128 + signal number when stopped before there
+    was one."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except UserError as e:
@@ -64,6 +66,7 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
 
             backend.select_backend(cfg)  # before anything imports accelerate
             from framework.checkpoint import Diverged, Preempted
+            from framework.disk import WriteFailed
             from framework.train import train
 
             try:
@@ -76,6 +79,10 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
                      "written. Lower optim.lr or set train.max_grad_norm and start again in a new output_dir (the "
                      "same recipe resumed diverges again)")
                 return EXIT_DIVERGED
+            except WriteFailed as e:
+                _say(f"write failed: {e}. The partial write was removed and nothing complete was lost; make room (or "
+                     f"make the folder writable again) and run the same command: {_next_start(cfg)}")
+                return EXIT_WRITE_FAILED
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
@@ -106,6 +113,13 @@ def _stopped(cfg, signals: Signals, signum: int) -> int:
         return EXIT_PREEMPTED
     _say(f"stopped by {signals.name} before the first checkpoint; nothing to resume, the same command starts over")
     return 128 + signum
+
+
+def _next_start(cfg) -> str:
+    from framework.checkpoint import newest_complete
+
+    newest = newest_complete(Path(cfg.output_dir) / "checkpoints")[0]
+    return f"it resumes from {newest}" if newest else "it starts over (no checkpoint was saved yet)"
 
 
 def _say(line: str) -> None:

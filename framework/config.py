@@ -149,6 +149,16 @@ class TrainConfig:
     """Forward/backward passes per optimizer step."""
     max_grad_norm: Optional[float] = _bounded(1.0, gt=0)
     """Clip the global gradient norm to this value; null turns clipping off."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN or infinite training loss or gradient. stop: the loss is read where the loop reads it anyway (log steps,
+    and before every checkpoint, with every weight), and the run exits with status 4 before writing anything from it.
+    skip: every step reads its gradient norm (one host read and, with several processes, an all-reduce a step); a
+    step whose norm is not finite leaves the weights and optimizer state as they were (its data is consumed and the
+    schedule advances), counted in summary.json's ``train.skipped_steps``; ``max_skipped_steps`` in a row stop the run
+    as stop does. Not on XLA (a host read in every step), with fp16 (its grad scaler skips overflowing steps itself)
+    or DeepSpeed (its engine steps inside the backward)."""
+    max_skipped_steps: int = _bounded(3, ge=1)
+    """With ``on_nonfinite: skip``: steps skipped in a row before the run stops as diverged (status 4)."""
     log_every: int = _bounded(10, gt=0)
     """Log the mean training loss every this many optimizer steps."""
     gradient_checkpointing: bool = False

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 from framework.config import HarnessConfig
 from framework.errors import UserError
 from framework.harness import Harness, format_result
-from framework.report import write_json
+from framework.disk import write_json
 from framework.tasks.language import check_causal
 
 RESULT = "harness.json"

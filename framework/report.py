@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from framework import plots
+from framework.disk import WriteFailed, append_line, write_text, writing
 from framework.config import flatten
 from framework.errors import UserError
 from framework.trackers import TRACKER_PACKAGES
@@ -28,17 +29,6 @@ from framework.tasks import get_task
 
 PAGE = "report.html"
 PLOTS = "plots"
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write to a temporary name, then rename: a reader (or a run stopped mid-write) never sees half a file."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: Dict) -> None:
-    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def read_records(output_dir: Path) -> List[dict]:
@@ -134,6 +124,9 @@ class Reporter:
         self.accelerator = accelerator
         self.main = accelerator.is_main_process
         self.metrics_path = output_dir / "metrics.jsonl"
+        # Lines of metrics.jsonl so far (a resumed run's kept ones too), recorded in each checkpoint: a resume keeps
+        # exactly those, also when an evaluation logged after a checkpoint at the same step.
+        self.lines = len(read_records(output_dir)) if self.main else 0
         self.page = page if self.main else None
         # tqdm's own postfix shows elapsed time and the ETA from the steps' rate.
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.main, desc="train",
@@ -146,8 +139,8 @@ class Reporter:
         """One line of metrics.jsonl (every record has ``step``), mirrored to the trackers."""
         if not self.main:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.metrics_path, json.dumps(record))
+        self.lines += 1
         numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         self.accelerator.log(numbers, step=record["step"])
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
@@ -257,6 +250,14 @@ def write_report(output_dir: Path, live: Optional[Dict[str, object]] = None) -> 
     summary = _read_json(output_dir / "summary.json")
     facts = summary or live or {}
     folder = output_dir / PLOTS
+    with writing(f"{PLOTS}/", output_dir):  # matplotlib writes each PNG in place
+        images = _plots(output_dir, records, summary, facts, folder)
+    sections = _task_sections(output_dir, summary, folder)
+    write_text(output_dir / PAGE, _page(output_dir, records, summary, facts, images, sections))
+    return output_dir / PAGE
+
+
+def _plots(output_dir: Path, records: List[dict], summary: Optional[dict], facts: dict, folder: Path) -> list:
     images = []
     curves = plots.curves({output_dir.name: records}, folder / "curves.png")
     if curves:
@@ -269,9 +270,7 @@ def write_report(output_dir: Path, live: Optional[Dict[str, object]] = None) -> 
     harness_curve = plots.harness(records, folder / "harness.png")
     if harness_curve:
         images.append(("harness", harness_curve))
-    sections = _task_sections(output_dir, summary, folder)
-    write_text(output_dir / PAGE, _page(output_dir, records, summary, facts, images, sections))
-    return output_dir / PAGE
+    return images
 
 
 def _task_sections(output_dir: Path, summary: Optional[dict], folder: Path) -> list:
@@ -415,14 +414,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: {run} is not a run's output_dir (it has no config.yaml); pass the output_dir of a run",
                   file=sys.stderr)
             return 2
-    if len(args.runs) == 1:
-        print(f"wrote {write_report(args.runs[0])}")
-        return 0
     out = args.out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    if (out / "compare.html").exists():
+    if len(args.runs) > 1 and (out / "compare.html").exists():
         print(f"error: {out} already holds a comparison; pass another --out", file=sys.stderr)
         return 2
-    print(compare(args.runs, out))
+    try:
+        if len(args.runs) == 1:
+            print(f"wrote {write_report(args.runs[0])}")
+            return 0
+        print(compare(args.runs, out))
+    except WriteFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 5
     print(f"\nwrote {out / 'compare.html'} and {out / 'compare.png'}")
     return 0
 

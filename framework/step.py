@@ -72,12 +72,16 @@ def backward_and_step(run: "Run", loss_sum_of: Callable[[torch.nn.Module], torch
     """One micro-batch under accelerate's accumulation: the forward ``loss_sum_of(model)``, the backward of it
     times ``scale`` and, where the accumulation window ends, gradient clipping and the optimizer step; returns
     the loss sum, detached."""
-    acc, model = run.accelerator, run.model
+    acc, model, skips = run.accelerator, run.model, run.skipped_steps
     with acc.accumulate(model):
         loss_sum = loss_sum_of(model)
         acc.backward(loss_sum * scale)
-        if acc.sync_gradients and run.cfg.train.max_grad_norm:
-            backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
-        run.optimizer.step()
+        update = True
+        if acc.sync_gradients and (run.cfg.train.max_grad_norm or skips is not None):
+            norm = backend.clip_gradients(acc, model, run.cfg.train.max_grad_norm)
+            # train.on_nonfinite: skip. A non-finite norm leaves the weights and the optimizer's state as they were.
+            update = skips is None or skips.allow(acc, norm)
+        if update:
+            run.optimizer.step()
         run.optimizer.zero_grad()
     return loss_sum.detach()

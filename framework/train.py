@@ -8,7 +8,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -16,13 +16,13 @@ from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
-from framework import adapters, backend, checkpoint, flops, harness, hub, memory, report, run_data
+from framework import adapters, backend, checkpoint, disk, flops, harness, hub, memory, report, run_data
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.errors import UserError
 from framework.optim import build_optimizer, build_scheduler
 from framework.profiling import StepProfiler
-from framework.report import (Clock, LivePage, Reporter, hyperparameters, tracker_options, write_json, write_report,
-                              write_text)
+from framework.disk import write_json, write_text
+from framework.report import Clock, LivePage, Reporter, hyperparameters, tracker_options, write_report
 from framework.signals import Signals
 from framework.step import Step, StepResult
 from framework.tasks import Task, get_task
@@ -43,6 +43,9 @@ class TrainState:
     evals_without_improvement: int = 0
     harness: Optional[dict] = None  # the latest lm-evaluation-harness result, with its step (eval.harness)
     stopped_early: bool = False
+    skipped_steps: int = 0  # train.on_nonfinite: skip: steps whose update was skipped, in all and in a row
+    skipped_in_a_row: int = 0
+    metrics_lines: Optional[int] = None  # lines of metrics.jsonl at the checkpoint (the resume keeps those)
     window: Optional[dict] = None  # the unlogged part of the loss window, at the checkpoint
 
 
@@ -67,22 +70,25 @@ class Run:
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
     step: Step  # one optimizer step, as the task chooses it
+    skipped_steps: Optional[checkpoint.SkippedSteps] = None  # train.on_nonfinite: skip
 
 
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
-    # Cheap checks first, so a mistake is reported before any slow work.
-    start = checkpoint.start_point(cfg)
-    data = run_data.open(cfg)
+    # Cheap checks first, so a mistake is reported before any slow work; every problem found at once.
+    problems: List[str] = []
+    start = _checked(problems, checkpoint.start_point, cfg)
+    data = _checked(problems, run_data.open, cfg)
     for key in ("name_or_path", "tokenizer"):
         if getattr(cfg.model, key):
-            hub.check_model_path(getattr(cfg.model, key), f"model.{key}")
+            _checked(problems, hub.check_model_path, getattr(cfg.model, key), f"model.{key}")
     task = get_task(cfg.task)
-    report.check_trackers(cfg.report_to)
+    _checked(problems, report.check_trackers, cfg.report_to)
     # The recipe was checked with its own strategy; auto may have become FSDP or DeepSpeed from the launch config.
-    problems = adapters.check(cfg, backend.resolved_distributed(cfg).strategy)
+    problems += adapters.check(cfg, backend.resolved_distributed(cfg).strategy)
     if problems:
-        raise UserError(problems[0])
+        raise UserError(problems[0] if len(problems) == 1 else
+                        f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
     accelerator, mesh = backend.build_accelerator(cfg)
     lm_harness = None
@@ -148,7 +154,17 @@ def setup(cfg: RunConfig) -> Run:
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(data.buckets or []) + 4
     return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, data, total_steps, plan, backend.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness, task.step(cfg))
+               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness, task.step(cfg),
+               checkpoint.SkippedSteps(t.max_skipped_steps) if t.on_nonfinite == "skip" else None)
+
+
+def _checked(problems: List[str], check, *args):
+    """``check(*args)``'s result; its UserError's message goes into ``problems`` instead of stopping the run."""
+    try:
+        return check(*args)
+    except UserError as e:
+        problems.append(str(e))
+        return None
 
 
 @dataclass
@@ -230,8 +246,8 @@ class Saves:
     """When the loop saves and stops: checkpoints every N steps, every epoch, every M minutes (the clock
     restarts at each save), and a stop requested by SIGTERM/SIGINT (saved, then Preempted)."""
 
-    def __init__(self, run: Run, signals: Signals):
-        self.run, self.signals = run, signals
+    def __init__(self, run: Run, signals: Signals, reporter: Reporter):
+        self.run, self.signals, self.reporter = run, signals, reporter
         self.last, self.saved_step = time.monotonic(), None
         minutes = run.cfg.checkpoint.every_minutes
         self.seconds = minutes * 60 if minutes else None
@@ -241,6 +257,7 @@ class Saves:
 
     def save(self, state: TrainState, window: LossWindow) -> None:
         with self.run.compile_watch.host_work(), self.run.clock.phase("checkpoint"):
+            state.metrics_lines = self.reporter.lines
             _save_checkpoint(self.run, state, window)
         self.last, self.saved_step = time.monotonic(), state.step
 
@@ -282,7 +299,7 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
     # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
     k = cfg.distributed.local_sgd_steps
     local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
-    saves = Saves(run, signals)
+    saves = Saves(run, signals, reporter)
     run.compile_watch.begin()
     profiler.after_step(state.step)
     try:
@@ -294,8 +311,8 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
                         _log_eval(run, reporter, state)
                     if cfg.checkpoint.every_epoch:
                         saves.save(state, window)
-            if state.step < run.total_steps:  # stopped early: a signal may still wait for an answer
-                saves.stop_or_save(state, window)
+            # A signal may still wait for an answer: one that came during the last evaluation, or an early stop's.
+            saves.stop_or_save(state, window)
     finally:
         profiler.close(state.step)
     with run.compile_watch.host_work():
@@ -317,9 +334,19 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         step_batches.append(run.mesh.shard_batch(batch))
         if len(step_batches) < accum:
             continue
+        skips = run.skipped_steps
+        if skips is not None:
+            skips.begin(state.step + 1)
         with profiler.step(state.step + 1):
-            window.add(run.step(run, step_batches))
+            result = run.step(run, step_batches)
         step_batches = []
+        if skips is None or not skips.in_step:
+            window.add(result)
+        else:  # its loss is not finite: kept out of the logged mean
+            reporter.print(f"warning: step {state.step + 1} skipped: its gradient norm is not finite (train.on_"
+                           f"nonfinite: skip; {skips.in_a_row} in a row, {skips.total} in all)")
+        if skips is not None:
+            state.skipped_steps, state.skipped_in_a_row = skips.total, skips.in_a_row
         for _ in range(run.task.updates_per_step(cfg)):
             run.scheduler.step()
         if local_sgd is not None:
@@ -355,6 +382,8 @@ def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
+    if not window.micro_steps:  # every step since the last log was skipped (train.on_nonfinite: skip)
+        return
     closed = window.close()
     state.last_loss = closed.loss
     steps = closed.micro_steps / run.cfg.train.gradient_accumulation_steps
@@ -363,6 +392,8 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
               "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds, **closed.metrics}
     if run.peak_flops:
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
+    if run.skipped_steps is not None:
+        record["skipped_steps"] = state.skipped_steps
     reporter.log(record)
     checkpoint.check_finite(run.accelerator, None, closed.loss, state.step)  # logged, then the run stops
     reporter.show_speed(closed.loss, speed, record["tokens_per_second"])
@@ -461,12 +492,16 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     if start.resume_from is not None:
         state = TrainState(**checkpoint.load(acc, start.resume_from))
         run.data.resume(acc, start.resume_from)
+        if run.skipped_steps is not None:
+            run.skipped_steps.total, run.skipped_steps.in_a_row = state.skipped_steps, state.skipped_in_a_row
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        for folder in (out, out / "checkpoints"):  # what an earlier run stopped mid-write left
+            disk.remove_partial(folder)
         if start.clear:
             checkpoint.clear_previous_outputs(out)
         if start.continues_log:
-            checkpoint.truncate_metrics(out, state.step)
+            checkpoint.truncate_metrics(out, asdict(state))
         write_text(out / "config.yaml", to_yaml(cfg))
     # Once per machine, each resumes (accelerate's local index is -1 for an XLA process started without a launcher).
     if start.resume_from is not None and (acc.is_main_process or acc.local_process_index == 0):
@@ -508,6 +543,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
             "wall_seconds": fit_seconds,
             "resumed_from_step": first_step or None,
             "stopped_early": state.stopped_early,
+            "skipped_steps": state.skipped_steps if cfg.train.on_nonfinite == "skip" else None,
         },
         "eval": {k: v for k, v in state.evals[-1].items() if k != "step"},
         "backend": run.plan["backend"],

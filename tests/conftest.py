@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 from helpers import (NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runner, documents, lm_args, pairs, review_conversations,
-                     synthetic_rows, write_csv, write_jsonl)
+                     synthetic_rows, toy_task_registered, write_csv, write_jsonl)
 from in_process import run_main
+
+
+@pytest.fixture
+def toy_registry():
+    """tests/toy_task.py registers itself for its test only (helpers.toy_task_registered)."""
+    with toy_task_registered():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -130,6 +132,33 @@ def pairs(n: int, seed: int):
 
 
 # ---------------------------------------------------------------- arguments of the tiny recipes
+
+
+TOY = "task=tests/toy_task.py:ToyTask"  # tests/toy_task.py, a task from outside framework/ (docs/adding-a-task.md)
+
+
+@contextmanager
+def toy_task_registered() -> Iterator[None]:
+    """Runs may name ``TOY``: the toy registers itself into a copy of the registry, so that later tests' schema
+    (config.yaml, keys.md) has no toy section; the recipe names its file relative to the repository."""
+    import framework.tasks.base
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(framework.tasks.base, "_REGISTRY", dict(framework.tasks.base._REGISTRY))
+        patch.chdir(ROOT)
+        yield
+
+
+def toy_scores(count: int, seed: int = 5) -> List[dict]:
+    """Texts holding 0 to 3 positive words among filler; the number to predict (``score``) is their count."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        positives = rng.randint(0, 3)
+        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(4, 10))] + rng.sample(POSITIVE, positives)
+        rng.shuffle(words)
+        rows.append({"text": " ".join(words), "score": positives})
+    return rows
 
 
 def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:

@@ -4,14 +4,26 @@ every checkpoint of a tied model is gone."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
+import fault_injection
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, event, example, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from helpers import lm_args, read_metrics
-from in_process import run_captured
+from framework import checkpoint
+from helpers import (ROOT, TOY, assert_bitwise_equal_models, environment, lm_args, read_metrics, summary, tiny_args,
+                     toy_scores, toy_task_registered, train_losses, write_csv)
+from in_process import run_captured, run_main
 
 
 def finite_checkpoints(out):
@@ -47,22 +59,243 @@ def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(hf_home, word_to
     assert again.returncode == 4 and f"at step {stop}" in again.stderr and finite_checkpoints(out) == kept
 
 
-@pytest.mark.multiprocess
-def test_two_processes_stop_together_on_divergence(cli, word_tokenizer, corpus, tmp_path):
-    """The loss read at a log step is summed over the processes, so both see the NaN at the same step and stop
-    with status 4 (the launcher then exits 1), neither waiting for the other."""
-    out = tmp_path / "out"
-    args = lm_args(word_tokenizer, corpus, out, "optim.lr=1e4", "train.max_steps=30", "checkpoint.every_steps=2",
-                   "checkpoint.keep_last=2", "train.max_grad_norm=null", "train.batch_size=2")
-    proc = cli(args, launch="cpu_ddp.yaml", check=False, timeout=300)
-    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 4") >= 1, proc.stderr[-3000:]
-    assert len([line for line in proc.stderr.splitlines() if line.startswith("diverged:")]) == 1
-    assert not (out / "model").exists() and all(finite_checkpoints(out).values())
-
-
 def test_checkpoints_of_a_tied_model_print_no_shared_tensor_warning(cli, word_tokenizer, corpus, tmp_path):
     """accelerate warns at every save that it removed the tied output layer's shared tensor; the framework drops
     that line (the weight is saved once and tied again on load)."""
     proc = cli(lm_args(word_tokenizer, corpus, tmp_path / "out", "train.max_steps=4", "checkpoint.every_steps=2"))
     assert len(list((tmp_path / "out" / "checkpoints").glob("step_*"))) == 2
     assert "Removed shared tensor" not in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- the fault-injection harness
+
+STEPS = 10  # one epoch of the harness's 80 training rows, 8 a step; a checkpoint every 2 steps
+CASES = int(os.environ.get("FAULT_CASES", "0"))  # make faults: this many random cases (make test: a fixed few)
+FAULT_SCRIPT = ROOT / "tests" / "scripts" / "fault_at.py"
+# What each fault may end with: 0 where it struck after the last write it could break (a disk filled after
+# everything fit), 3 or 143 for SIGTERM (a checkpoint to resume from, or none yet), 5 for a failed write.
+OUTCOMES = {"SIGKILL": (-9,), "SIGTERM": (3, 143), "damage": (3, 143), "fill": (0, 5), "readonly": (5,),
+            "vanish": (5,)}
+LINES = {3: ("preempted:", "stopped by"), 143: ("stopped by",), 4: ("diverged:",), 5: ("write failed:",)}
+CALLS = {"micro": STEPS, "log": STEPS + 1, "save": STEPS // 2, "eval": 1}  # each point's calls in the run
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str  # SIGKILL, SIGTERM, fill, readonly, vanish; damage (SIGTERM, then a byte of the newest checkpoint
+    # changed); nan (a row whose target is infinite, so one step's loss and gradients are not finite)
+    point: str = "micro"  # fault_injection.POINTS
+    n: int = 1  # the point's n-th call
+    leave: int = 0  # fill: the bytes left free
+    keep_last: int = 2
+    row: int = 0  # nan: the row made infinite; damage: which file of the checkpoint (and where in it) is damaged
+    policy: str = "stop"  # nan: train.on_nonfinite
+
+    @property
+    def spec(self) -> str:
+        kind = {"fill": f"fill={self.leave}", "damage": "SIGTERM"}.get(self.kind, self.kind)
+        return f"{kind}@{self.point}:{self.n}"
+
+
+@st.composite
+def faults(draw) -> Fault:
+    kind = draw(st.sampled_from(["SIGKILL", "SIGTERM", "damage", "fill", "readonly", "vanish", "nan"]))
+    point = draw(st.sampled_from(sorted(CALLS)))
+    return Fault(kind, point, draw(st.integers(1, CALLS[point])), draw(st.integers(0, 400_000)),
+                 draw(st.sampled_from([1, 2])), draw(st.integers(0, 79)), draw(st.sampled_from(["stop", "skip"])))
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory, tiny_model, hf_home):
+    """The toy regression task (tests/toy_task.py) on 80 rows for 10 steps: its data, and its uninterrupted run."""
+    folder = tmp_path_factory.mktemp("harness")
+    rows = toy_scores(96, seed=11)
+    files = {"train": write_csv(folder / "train.csv", rows[:80]), "eval": write_csv(folder / "eval.csv", rows[80:])}
+
+    def args(out: Path, *extra: str, train: Path = files["train"]) -> list:
+        return tiny_args(tiny_model, train, out, TOY, f"data.eval_file={files['eval']}", f"train.max_steps={STEPS}",
+                         "checkpoint.every_steps=2", *extra)
+
+    def poisoned(row: int) -> Path:
+        bad = [dict(r, score="inf") if i == row else r for i, r in enumerate(rows[:80])]
+        return write_csv(folder / f"inf_{row}.csv", bad)
+
+    with toy_task_registered():
+        assert run_main(args(folder / "reference"), hf_home) == 0
+    return SimpleNamespace(args=args, poisoned=poisoned, reference=folder / "reference", folder=folder)
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    """A 16 MB filesystem of the harness's own, to fill up and turn read-only."""
+    if not fault_injection.can_mount():
+        pytest.skip("the fault harness mounts a small tmpfs (a disk that really fills up): run it as root")
+    with fault_injection.small_disk(tmp_path_factory.mktemp("disk"), 16 << 20) as folder:
+        yield folder
+
+
+def no_partial_writes(out: Path) -> None:
+    for folder in (out, out / "checkpoints"):
+        left = [p.name for p in folder.glob(".*") if p.name.startswith((".tmp_", ".old_"))] if folder.is_dir() else []
+        assert not left, left
+
+
+def run_with_fault(fault: Fault, args: list, disk: Path, out: Path, hf_home: Path):
+    """The run with ``fault`` injected: in this process, or for SIGKILL in one of its own. Returns the finished
+    process and the newest checkpoint saved before the fault (in this process only)."""
+    if fault.kind == "SIGKILL":
+        env = environment(hf_home, FAULT=fault.spec, FAULT_DISK=str(disk))
+        return subprocess.run([sys.executable, str(FAULT_SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300), None
+    saved = []
+    with pytest.MonkeyPatch.context() as patch:
+        if fault.kind != "nan":
+            fault_injection.install(fault.spec, disk, out, patch.setattr)
+        save = checkpoint.save
+        patch.setattr(checkpoint, "save", lambda *a, **k: saved.append(save(*a, **k)) or saved[-1])
+        return run_captured(args, hf_home), (saved[-1] if saved else None)
+
+
+@settings(max_examples=CASES or 3, derandomize=not CASES, database=None, deadline=None, print_blob=True,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
+@given(fault=faults())
+@example(fault=Fault("SIGKILL", "save", 3))  # inside a checkpoint's write
+@example(fault=Fault("SIGTERM", "micro", 5))
+@example(fault=Fault("damage", "log", 7, row=3))
+@example(fault=Fault("fill", "save", 2, leave=50_000, keep_last=1))  # the disk fills mid-checkpoint
+@example(fault=Fault("fill", "eval", 1, leave=20_000))  # ... while writing model/
+@example(fault=Fault("readonly", "log", 4))
+@example(fault=Fault("vanish", "micro", 3))
+@example(fault=Fault("nan", row=37))
+@example(fault=Fault("nan", row=70, policy="skip"))
+def test_a_fault_loses_nothing_and_the_same_command_ends_as_if_uninterrupted(fault, harness, disk, hf_home):
+    """The fault-injection harness. A fault at a random point: killed (SIGKILL, SIGTERM; inside a checkpoint write
+    too), the disk filling at a random byte, the output folder read-only or gone, the newest checkpoint damaged, a
+    NaN at a random step (the row with an infinite target lands where the shuffle puts it). The property: the run
+    ends with its documented status and one line, no traceback; every checkpoint left verifies and none saved
+    before the fault is lost; no partial write is left. The same command afterwards (space and writes restored)
+    ends bitwise equal to the uninterrupted run, its logged losses too; a diverging run stops again the same way,
+    or with train.on_nonfinite=skip finishes with the step skipped."""
+    out = disk / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    fault_injection.restore(disk)
+    extra = [f"checkpoint.keep_last={fault.keep_last}"]
+    if fault.kind == "nan":
+        extra += [f"train.on_nonfinite={fault.policy}", "train.log_every=1"]
+    args = harness.args(out, *extra, **({"train": harness.poisoned(fault.row)} if fault.kind == "nan" else {}))
+    with toy_task_registered():
+        proc, newest = run_with_fault(fault, args, disk, out, hf_home)
+        event(f"{fault.kind} -> {proc.returncode}")
+        expected = OUTCOMES.get(fault.kind) or ((4,) if fault.policy == "stop" else (0,))
+        assert proc.returncode in expected and "Traceback" not in proc.stderr, (fault, proc.stderr[-3000:])
+        prefixes = LINES.get(proc.returncode)
+        lines = [line for line in proc.stderr.splitlines() if prefixes and line.startswith(prefixes)]
+        assert len(lines) == (prefixes is not None), (fault, proc.stderr[-3000:])
+        for folder in (out / "checkpoints").glob("step_*"):
+            assert checkpoint.verify(folder) is None, folder
+        if newest is not None and fault.kind != "vanish":  # the user's own removal aside
+            assert checkpoint.verify(newest) is None, (fault, newest)
+        if fault.kind != "SIGKILL":
+            no_partial_writes(out)
+        fault_injection.restore(disk)
+        if fault.kind == "damage" and proc.returncode == 3:
+            damage_newest(out, fault.row)
+        # A fault after every write it could break (a disk filled when all fitted): the run is done.
+        again = run_captured(args, hf_home) if proc.returncode else proc
+    no_partial_writes(out)
+    if fault.kind == "nan" and fault.policy == "stop":
+        assert again.returncode == 4 and lines[0].split(".")[0] in again.stderr, again.stderr[-3000:]
+        return
+    assert again.returncode == 0, (fault, again.stderr[-3000:])
+    if fault.kind == "nan":
+        assert summary(out)["train"]["skipped_steps"] == 1 and all(math.isfinite(x) for x in train_losses(out))
+        return
+    if fault.kind == "damage" and proc.returncode == 3:
+        assert "skipping checkpoint" in again.stdout + again.stderr
+    assert_bitwise_equal_models(harness.reference, out)
+    assert read_metrics(out) and [(r["step"], r.get("loss")) for r in read_metrics(out)] == \
+        [(r["step"], r.get("loss")) for r in read_metrics(harness.reference)]
+
+
+def damage_newest(out: Path, seed: int) -> None:
+    """Change one byte of one file of the newest checkpoint (which file and where: from ``seed``)."""
+    newest = max((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    files = sorted(p for p in newest.rglob("*") if p.is_file() and p.name != checkpoint.STATE_FILE)
+    file = files[seed % len(files)]
+    data = bytearray(file.read_bytes())
+    data[(seed * 7919) % len(data)] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------- train.on_nonfinite, one process and two
+
+
+def skipped_step(output: str) -> int:
+    lines = [line for line in output.splitlines() if line.startswith("warning: step ") and " skipped" in line]
+    assert len(lines) == 1, output[-3000:]
+    return int(lines[0].split()[2])
+
+
+def test_a_skipped_step_leaves_the_weights_and_the_optimizer_state_as_they_were(harness, hf_home, tmp_path):
+    """train.on_nonfinite=skip: the step whose batch holds the infinite target changes nothing (the weights and
+    Adam's moments and step count at its checkpoint equal the step before's, bitwise); the run goes on, its logged
+    losses finite, and summary.json counts the skip. Then every row infinite: max_skipped_steps (2) in a row stop
+    the run with status 4, naming the step."""
+    out = tmp_path / "skip"
+    with toy_task_registered():
+        proc = run_captured(harness.args(out, "train.on_nonfinite=skip", "checkpoint.every_steps=1",
+                                         f"checkpoint.keep_last={STEPS}", train=harness.poisoned(40)), hf_home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = skipped_step(proc.stdout + proc.stderr)
+    assert summary(out)["train"]["skipped_steps"] == 1 and all(math.isfinite(x) for x in train_losses(out))
+    at = out / "checkpoints" / f"step_{step}"
+    if step == 1:  # no update yet: Adam holds no state
+        assert not torch.load(at / "optimizer.bin", weights_only=True)["state"]
+    else:
+        before = out / "checkpoints" / f"step_{step - 1}"
+        assert (before / "model.safetensors").read_bytes() == (at / "model.safetensors").read_bytes()
+        states = [torch.load(folder / "optimizer.bin", weights_only=True)["state"] for folder in (before, at)]
+        assert states[0].keys() == states[1].keys() and all(
+            torch.equal(states[0][i][k], states[1][i][k]) for i in states[0] for k in states[0][i])
+    after = out / "checkpoints" / f"step_{step + 1}"
+    assert (at / "model.safetensors").read_bytes() != (after / "model.safetensors").read_bytes()
+
+    rows = [dict(r, score="inf") for r in toy_scores(80, seed=11)]
+    with toy_task_registered():
+        proc = run_captured(harness.args(tmp_path / "all", "train.on_nonfinite=skip", "train.max_skipped_steps=2",
+                                         train=write_csv(tmp_path / "all.csv", rows)), hf_home)
+    assert proc.returncode == 4 and "the gradient norm is not finite at step 2, 2 times in a row" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_nan_on_one_process_of_two(policy, harness, cli, tmp_path):
+    """One row with an infinite target, so one process's loss in one step is not finite. stop: both processes see
+    it in the loss summed over them at that log step and stop with status 4 (the launcher exits 1), one line, the
+    checkpoints before kept and finite. skip: the gradients are all-reduced, so both skip the same step and finish."""
+    out = tmp_path / policy
+    args = harness.args(out, f"train.on_nonfinite={policy}", "train.batch_size=4", "checkpoint.every_steps=1",
+                        train=harness.poisoned(50))
+    proc = cli(args, launch="cpu_ddp.yaml", check=False, timeout=300)
+    if policy == "stop":
+        assert proc.returncode == 1 and proc.stderr.count("exitcode  : 4") >= 1, proc.stderr[-3000:]
+        assert len([line for line in proc.stderr.splitlines() if line.startswith("diverged:")]) == 1
+        assert not (out / "model").exists() and all(finite_checkpoints(out).values())
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        skipped_step(proc.stdout + proc.stderr)
+        assert summary(out)["train"]["skipped_steps"] == 1 and all(math.isfinite(x) for x in train_losses(out))
+
+
+def test_a_read_only_output_dir_is_refused_before_any_work(disk, harness, hf_home, capsys):
+    """A read-only output_dir (here its filesystem remounted read-only) is a bad input: exit 2, one line naming it."""
+    fault_injection.restore(disk)
+    (disk / "ro").mkdir(exist_ok=True)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    try:
+        with toy_task_registered():
+            assert run_main(harness.args(disk / "ro" / "out"), hf_home) == 2
+    finally:
+        fault_injection.restore(disk)
+    err = capsys.readouterr().err
+    assert f"output_dir: {disk / 'ro'} is not writable (a read-only filesystem, or no permission)" in err, err

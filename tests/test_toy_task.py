@@ -5,37 +5,22 @@ framework/ knows it."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-from helpers import (NEUTRAL, POSITIVE, ROOT, assert_bitwise_equal_models, crash_then_resume, losses_by_step, tiny_args,
+from helpers import (TOY, assert_bitwise_equal_models, crash_then_resume, losses_by_step, tiny_args, toy_scores,
                      train_losses, write_csv)
 from in_process import run_main
 
-TOY = "task=tests/toy_task.py:ToyTask"
-
 
 @pytest.fixture(autouse=True)
-def own_registry(monkeypatch):
-    """The toy registers itself for its test only: later tests' schema (config.yaml, keys.md) has no toy section."""
-    import framework.tasks.base
-
-    monkeypatch.setattr(framework.tasks.base, "_REGISTRY", dict(framework.tasks.base._REGISTRY))
-    monkeypatch.chdir(ROOT)  # the recipe names the task's file relative to the repository
+def own_registry(toy_registry):
+    """The toy registers itself for its test only (conftest.py's toy_registry)."""
 
 
 @pytest.fixture(scope="module")
 def scores(tmp_path_factory) -> Path:
-    """Texts holding 0 to 3 positive words among filler; the number to predict is their count."""
-    rng = random.Random(5)
-    rows = []
-    for _ in range(320):
-        count = rng.randint(0, 3)
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(4, 10))] + rng.sample(POSITIVE, count)
-        rng.shuffle(words)
-        rows.append({"text": " ".join(words), "score": count})
-    return write_csv(tmp_path_factory.mktemp("toy") / "scores.csv", rows)
+    return write_csv(tmp_path_factory.mktemp("toy") / "scores.csv", toy_scores(320))
 
 
 def test_the_toy_task_trains_through_the_cli(tiny_model, scores, tmp_path, hf_home):

@@ -3,7 +3,7 @@ it accumulates and reads, the transfers to the host."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> None:
-    """Scale the gradients down to a global 2-norm of at most ``max_norm``: accelerate's ``clip_grad_norm_``.
-    Where they are plain tensors in host memory (the CPU: one process, or DDP over gloo) the multiplication is
+def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: Optional[float]) -> torch.Tensor:
+    """Scale the gradients down to a global 2-norm of at most ``max_norm`` (None: only measure it), as accelerate's
+    ``clip_grad_norm_``; returns the norm before clipping (a device scalar, the same on every process). Where the
+    gradients are plain tensors in host memory (the CPU: one process, or DDP over gloo) the multiplication is
     skipped when its factor is 1: torch multiplies by ``min(1, max_norm / (norm + 1e-6))`` unconditionally, so
     that an accelerator never waits for the host to read the norm, a read that costs nothing on the CPU, and
     multiplying by 1 changes no bit. One pass over every gradient fewer at the steps that do not clip; the
@@ -27,13 +28,14 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
 
     if (accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU)
             or accelerator.device.type != "cpu" or is_tensor_parallel(accelerator)):
-        accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        return
+        norm = accelerator.clip_grad_norm_(model.parameters(), float("inf") if max_norm is None else max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 and TP: a DTensor
     accelerator.unscale_gradients()
     parameters = list(model.parameters())
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    if not bool(max_norm / (norm + 1e-6) >= 1.0):
+    if max_norm is not None and not bool(max_norm / (norm + 1e-6) >= 1.0):
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
 
 
 def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -130,6 +130,11 @@ def check(cfg: RunConfig) -> None:
     tensor_parallel_problem = _tensor_parallel_problem(cfg, strategy_, xla)
     if tensor_parallel_problem:
         raise UserError(tensor_parallel_problem)
+    if cfg.train.on_nonfinite == "skip" and (xla or precision == "fp16" or strategy_ == "deepspeed"):
+        why = ("on XLA it would read the device in every step (a graph cut)" if xla else "fp16's grad scaler already "
+               "skips steps whose gradients overflow" if precision == "fp16" else "DeepSpeed's engine steps inside "
+               "the backward, before the framework sees the gradient norm")
+        raise UserError(f"train.on_nonfinite: skip is not available here: {why}; use train.on_nonfinite=stop")
     if cfg.train.compile and xla:
         raise UserError("train.compile: XLA already compiles the model's graphs; remove train.compile on XLA")
     launched = _launched_strategy()
