@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from framework import keys
 from framework.config import load_config, to_yaml
+from framework.disk import WriteFailed
 from framework.errors import UserError
 from framework.signals import Interrupted, Signals
 
@@ -66,7 +67,6 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
 
             backend.select_backend(cfg)  # before anything imports accelerate
             from framework.checkpoint import Diverged, Preempted
-            from framework.disk import WriteFailed
             from framework.train import train
 
             try:
