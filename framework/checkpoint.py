@@ -174,9 +174,8 @@ def truncate_metrics(output_dir: Path, state: Dict) -> None:
     The checkpoint records how many there were; an older one, only its step."""
     path = output_dir / "metrics.jsonl"
     if path.exists():
-        kept = [line for line in path.read_text().splitlines() if _logged_by(line, state["step"])]
-        if state.get("metrics_lines") is not None:
-            kept = kept[:state["metrics_lines"]]
+        lines, count = path.read_text().splitlines(), state.get("metrics_lines")
+        kept = lines[:count] if count is not None else [line for line in lines if _logged_by(line, state["step"])]
         disk.write_text(path, "".join(line + "\n" for line in kept))
 
 
@@ -258,9 +257,7 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
     name = f"step_{state['step']}"
     final, tmp = folder / name, folder / f"{disk.PARTIAL}{name}"
     what = f"checkpoint {name}"
-    newest = newest_complete(folder)[0] if accelerator.is_main_process else None
-    needed = _size(newest) if newest else None  # about what the previous checkpoint took
-    with disk.writing(what, folder, needed, partial=tmp):
+    with disk.writing(what, folder, _last_size(folder), partial=tmp):
         if accelerator.is_main_process:
             disk.remove(tmp)
             folder.mkdir(exist_ok=True)  # not its parents: a vanished output_dir is not made again
@@ -282,8 +279,14 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
     return final
 
 
-def _size(path: Path) -> int:
-    return sum(entry["size"] for entry in json.loads((path / STATE_FILE).read_text())["files"].values())
+def _last_size(folder: Path) -> Optional[int]:
+    """The bytes the newest checkpoint's manifest lists (about what the next one needs), read without verifying
+    it: no checksums on the way to every save. None when there is none or its manifest is unreadable."""
+    steps = sorted(folder.glob("step_*"), key=_step_of)
+    try:
+        return sum(entry["size"] for entry in json.loads((steps[-1] / STATE_FILE).read_text())["files"].values())
+    except (IndexError, OSError, ValueError, KeyError):
+        return None
 
 
 def _replace(tmp: Path, final: Path) -> None:

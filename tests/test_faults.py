@@ -122,7 +122,7 @@ def harness(tmp_path_factory, tiny_model, hf_home):
 
     with toy_task_registered():
         assert run_main(args(folder / "reference"), hf_home) == 0
-    return SimpleNamespace(args=args, poisoned=poisoned, reference=folder / "reference", folder=folder)
+    return SimpleNamespace(args=args, poisoned=poisoned, reference=folder / "reference")
 
 
 @pytest.fixture(scope="module")
