@@ -257,7 +257,8 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
     name = f"step_{state['step']}"
     final, tmp = folder / name, folder / f"{disk.PARTIAL}{name}"
     what = f"checkpoint {name}"
-    with disk.writing(what, folder, _last_size(folder), partial=tmp):
+    # The main process alone removes the shared temporary folder (another's failure reaches it at the next wait).
+    with disk.writing(what, folder, _last_size(folder), partial=tmp if accelerator.is_main_process else None):
         if accelerator.is_main_process:
             disk.remove(tmp)
             folder.mkdir(exist_ok=True)  # not its parents: a vanished output_dir is not made again
@@ -385,11 +386,12 @@ class Diverged(Exception):
 
 
 def check_finite(accelerator: Accelerator, model: Optional[torch.nn.Module], loss: Optional[float], step: int) -> None:
-    """Raise Diverged where ``loss`` (already read over every process) or, with ``model`` and off XLA, any weight of
-    any process's shards is NaN or infinite. On XLA the weights are not read here: a new graph each time."""
+    """Raise Diverged where ``loss`` (already read over every process) or, with ``model``, any weight of any
+    process's shards is NaN or infinite. Called before a checkpoint or model/ is written, never inside a step: on XLA
+    the check is one small graph (compiled once, the shapes never change) and one host read beside the save's own."""
     if loss is not None and not np.isfinite(loss):
         raise Diverged(f"the training loss is {loss} at step {step}")
-    if model is None or backend.on_xla(accelerator):
+    if model is None:
         return
     flags = [torch.isfinite(backend.local_shard(p)).all() for p in model.parameters()]
     bad = bool(flags) and not bool(torch.stack(flags).all())  # one host read

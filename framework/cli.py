@@ -80,8 +80,8 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
                      "same recipe resumed diverges again)")
                 return EXIT_DIVERGED
             except WriteFailed as e:
-                _say(f"write failed: {e}. The partial write was removed and nothing complete was lost; make room (or "
-                     f"make the folder writable again) and run the same command: {_next_start(cfg)}")
+                _say(f"write failed: {e}. Nothing complete was lost; make room (or make the folder writable "
+                     f"again) and run the same command: {_next_start(cfg)}", every_process=True)
                 return EXIT_WRITE_FAILED
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -122,7 +122,10 @@ def _next_start(cfg) -> str:
     return f"it resumes from {newest}" if newest else "it starts over (no checkpoint was saved yet)"
 
 
-def _say(line: str) -> None:
-    """One line on stderr, from the first process only (every process gets the signal)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+def _say(line: str, every_process: bool = False) -> None:
+    """One line on stderr, from the first process only (every process gets the signal); ``every_process``: from
+    any that says it (a write that failed on another process only: its shard of a checkpoint), others' lines
+    prefixed with their rank."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or every_process:
+        print(line if rank == "0" else f"[process {rank}] {line}", file=sys.stderr, flush=True)

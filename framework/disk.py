@@ -4,7 +4,8 @@ Every output is written under a temporary name and renamed when complete (:func:
 ``model/`` as folders), so a failed write never leaves a file or folder that looks complete. A write that fails
 because the filesystem is full, read-only or no longer there raises :class:`WriteFailed` (the CLI exits 5) with one
 line naming the folder, the space needed and the space free; the partial temporary file or folder is removed
-first, so the space it held is free again. Any other failure propagates unchanged: a bug is not reported as a disk.
+first, so the space it held is free again (on a filesystem turned read-only it cannot be: the line says so, and the
+next run removes it). Any other failure propagates unchanged: a bug is not reported as a disk.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ def writing(what: str, folder: Path, needed: Optional[int] = None, partial: Opti
         raise
     except Exception as e:  # torch's zip writer, safetensors and Python's own files each raise their own kind
         found = problem(folder, e, needed)  # before removing the partial write: the free space it took counts
+        left = ""
         if partial is not None:
             remove(partial)
+            left = (f"; its partial write {partial.name} could not be removed (the next run removes it)"
+                    if partial.exists() else "; its partial write was removed")
         if found is None:
             raise
-        raise WriteFailed(f"cannot write {what} into {folder}: {found}") from None
+        raise WriteFailed(f"cannot write {what} into {folder}: {found}{left}") from None
 
 
 def remove(path: Path) -> None:

@@ -173,6 +173,23 @@ def lm_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
             *extra]
 
 
+def finite_checkpoints(out: Path) -> Dict[int, bool]:
+    """The step of each checkpoint, and whether every weight it holds is finite (safetensors; on XLA, the
+    pytorch_model.bin that xm.save writes)."""
+    from safetensors.torch import load_file
+
+    def tensors(file: Path) -> list:
+        loaded = load_file(file) if file.suffix == ".safetensors" else torch.load(file, weights_only=True)
+        return list(loaded.values())
+
+    found = {}
+    for folder in sorted((out / "checkpoints").glob("step_*")):
+        files = [*folder.rglob("*.safetensors"), *folder.rglob("pytorch_model*.bin")]
+        weights = [t for f in files for t in tensors(f)]
+        found[int(folder.name.split("_")[1])] = bool(weights) and all(torch.isfinite(t).all() for t in weights)
+    return found
+
+
 def mlm_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
     """A tiny BERT masked LM from scratch (tests/tiny_mlm.yaml)."""
     return ["--config", str(TINY_MLM), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",

@@ -18,21 +18,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
 
 from framework import checkpoint
-from helpers import (ROOT, TOY, assert_bitwise_equal_models, environment, lm_args, read_metrics, summary, tiny_args,
+from helpers import (ROOT, TOY, assert_bitwise_equal_models, environment, finite_checkpoints, lm_args, read_metrics, summary, tiny_args,
                      toy_scores, toy_task_registered, train_losses, write_csv)
 from in_process import run_captured, run_main
-
-
-def finite_checkpoints(out):
-    """The step of each checkpoint, and whether every weight it holds is finite."""
-    found = {}
-    for folder in sorted((out / "checkpoints").glob("step_*")):
-        weights = [t for f in folder.rglob("*.safetensors") for t in load_file(f).values()]
-        found[int(folder.name.split("_")[1])] = bool(weights) and all(torch.isfinite(t).all() for t in weights)
-    return found
 
 
 def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(hf_home, word_tokenizer, corpus, tmp_path):
@@ -165,6 +155,7 @@ def run_with_fault(fault: Fault, args: list, disk: Path, out: Path, hf_home: Pat
 @example(fault=Fault("fill", "save", 2, leave=50_000, keep_last=1))  # the disk fills mid-checkpoint
 @example(fault=Fault("fill", "eval", 1, leave=20_000))  # ... while writing model/
 @example(fault=Fault("readonly", "log", 4))
+@example(fault=Fault("readonly", "save", 5))  # inside the last checkpoint's write: its partial write stays
 @example(fault=Fault("vanish", "micro", 3))
 @example(fault=Fault("nan", row=37))
 @example(fault=Fault("nan", row=70, policy="skip"))
@@ -177,8 +168,8 @@ def test_a_fault_loses_nothing_and_the_same_command_ends_as_if_uninterrupted(fau
     ends bitwise equal to the uninterrupted run, its logged losses too; a diverging run stops again the same way,
     or with train.on_nonfinite=skip finishes with the step skipped."""
     out = disk / "run"
+    fault_injection.restore(disk)  # first: a failed case may have left it read-only
     shutil.rmtree(out, ignore_errors=True)
-    fault_injection.restore(disk)
     extra = [f"checkpoint.keep_last={fault.keep_last}"]
     if fault.kind == "nan":
         extra += [f"train.on_nonfinite={fault.policy}", "train.log_every=1"]
@@ -195,7 +186,9 @@ def test_a_fault_loses_nothing_and_the_same_command_ends_as_if_uninterrupted(fau
             assert checkpoint.verify(folder) is None, folder
         if newest is not None and fault.kind != "vanish":  # the user's own removal aside
             assert checkpoint.verify(newest) is None, (fault, newest)
-        if fault.kind != "SIGKILL":
+        if fault.kind == "readonly" and "could not be removed" in lines[0]:
+            pass  # a read-only filesystem keeps the partial write; the line says so and the next run removes it
+        elif fault.kind != "SIGKILL":
             no_partial_writes(out)
         fault_injection.restore(disk)
         if fault.kind == "damage" and proc.returncode == 3:
@@ -286,6 +279,34 @@ def test_a_nan_on_one_process_of_two(policy, harness, cli, tmp_path):
         skipped_step(proc.stdout + proc.stderr)
         assert summary(out)["train"]["skipped_steps"] == 1 and all(math.isfinite(x) for x in train_losses(out))
 
+
+@pytest.mark.multiprocess
+def test_a_disk_filled_by_one_process_of_two_ends_both_with_status_5(disk, harness, cli, monkeypatch):
+    """2 processes (cpu_ddp), the disk filled right after process 1 wrote its share of the second checkpoint: each
+    process that meets the full disk says so in one line (process 1's marked), the launcher reports status 5, the
+    main process alone removes the shared partial folder, the first checkpoint stays; the same command, with room
+    again, resumes it and finishes."""
+    fault_injection.restore(disk)
+    out = disk / "ddp"
+    shutil.rmtree(out, ignore_errors=True)
+    monkeypatch.setenv("FAULT", "fill=0@save:2")
+    monkeypatch.setenv("FAULT_RANK", "1")
+    monkeypatch.setenv("FAULT_DISK", str(disk))
+    args = harness.args(out, "train.batch_size=4")
+    try:
+        proc = cli(args, launch="cpu_ddp.yaml", check=False, timeout=300, script=FAULT_SCRIPT)
+    finally:
+        fault_injection.restore(disk)
+    lines = [line for line in proc.stderr.splitlines() if "write failed: cannot write checkpoint step_4" in line]
+    assert proc.returncode == 1 and "exitcode  : 5" in proc.stderr and lines, proc.stderr[-3000:]
+    assert all("no space left on its device" in line for line in lines), lines
+    assert len(lines) == 1 or any("[process 1] write failed:" in line for line in lines), lines  # the bar's line
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    assert checkpoint.verify(out / "checkpoints" / "step_2") is None
+    monkeypatch.delenv("FAULT")
+    again = cli(args, launch="cpu_ddp.yaml", timeout=300)
+    assert "step_2" in again.stdout and summary(out)["train"]["steps"] == STEPS
 
 def test_a_read_only_output_dir_is_refused_before_any_work(disk, harness, hf_home, capsys):
     """A read-only output_dir (here its filesystem remounted read-only) is a bad input: exit 2, one line naming it."""

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
-                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, grads, grpo_args, lm_args,
-                     packed_batch, read_metrics, review_conversations, segments, targets_of, tiny_args, tiny_causal_lm,
-                     train_losses, worst_gradient, TINY_LM)
+                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints,
+                     grads, grpo_args, lm_args, packed_batch, read_metrics, review_conversations, segments, targets_of,
+                     tiny_args, tiny_causal_lm, train_losses, worst_gradient, TINY_LM)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -304,6 +304,34 @@ def test_grpo_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
     assert "task: grpo does not run on XLA yet" in proc.stderr and "backend=cpu or gpu" in proc.stderr
     assert not (out / "summary.json").exists()
 
+
+
+def test_a_diverging_run_on_xla_stops_before_writing_non_finite_weights(cli, word_tokenizer, corpus, tmp_path):
+    """tests/test_faults.py's diverging run (lr 1e4, here a checkpoint every step, the last 2 kept) on XLA, where the
+    loss is read only where the loop reads it anyway (log steps), and the weights before each checkpoint: status 4
+    and one line naming the step (and the loss where it is the loss), no model/ nor summary, the checkpoints kept
+    all finite and from before. Without the weights' check, step 2's checkpoint held infinite weights behind a
+    finite logged loss. And train.on_nonfinite=skip, which would read the device in every step, is refused by key."""
+    out = tmp_path / "out"
+    args = lm_args(word_tokenizer, corpus, out, "backend=xla", "optim.lr=1e4", "train.max_steps=30",
+                   "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.max_grad_norm=null")
+    proc = cli(args, check=False)
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "backend: xla" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("diverged:")]
+    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    stop = len(losses)
+    assert len(lines) == 1 and (f"the training loss is {losses[-1]} at step {stop}" in lines[0]
+                                or f"a weight is not finite after step {stop}, although the loss was" in lines[0])
+    assert not (out / "model").exists() and not (out / "summary.json").exists()
+    kept = finite_checkpoints(out)
+    assert kept and all(kept.values()) and max(kept) < stop, (kept, losses)
+    print(lines[0], {"checkpoints kept (step: finite)": kept})
+
+    skip = cli(lm_args(word_tokenizer, corpus, tmp_path / "skip", "backend=xla", "train.on_nonfinite=skip"),
+               check=False)
+    assert skip.returncode == 2 and "Traceback" not in skip.stderr, skip.stderr[-3000:]
+    assert "train.on_nonfinite: skip is not available here: on XLA" in skip.stderr
 
 # ---------------------------------------------------------------- parameters sharded over devices (XLA FSDP)
 
