@@ -21,7 +21,6 @@ import pyarrow.compute
 import torch
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
-from transformers.trainer_pt_utils import get_length_grouped_indices
 from datasets.fingerprint import Hasher
 
 from framework.config import DataConfig, SourceConfig
@@ -466,6 +465,10 @@ class LengthGroupedSampler(Sampler):
         return len(self.lengths)
 
     def __iter__(self):
+        # Imported here: transformers.trainer_pt_utils imports accelerate when deepspeed is installed, and reading a
+        # recipe (which imports this module) must not, before the backend is chosen (tests/test_imports.py).
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
