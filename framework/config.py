@@ -324,8 +324,9 @@ class FSDPConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = _bounded(2, ge=0, le=3)
-    """ZeRO stage: 1 shards optimizer state, 2 adds gradients, 3 adds parameters."""
+    zero_stage: Optional[int] = _bounded(None, ge=0, le=3)
+    """ZeRO stage: 1 shards optimizer state, 2 adds gradients, 3 adds parameters. null: the launch config's stage
+    (accelerate_configs/deepspeed_zero3.yaml: 3), else 2. A stage here that the launch config contradicts is refused."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     """Where ZeRO keeps the optimizer state."""
     offload_params: Literal["none", "cpu", "nvme"] = "none"

@@ -120,7 +120,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     if cfg.relative_step:
         return RelativeStepSchedule(optimizer)
     return LambdaLR(optimizer, functools.partial(schedule_factor, cfg.scheduler, warmup=warmup, total=total_steps,
-                                                 lr_init=optimizer.defaults["lr"]))
+                                                 lr_init=cfg.lr))
 
 
 POLYNOMIAL_LR_END = 1e-7  # transformers' default end of the polynomial decay

@@ -104,7 +104,7 @@ def setup(cfg: RunConfig) -> Run:
     replicas = backend.data_parallel(accelerator)[1] * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), backend.loading_whole_models(accelerator):
         model, tokenizer = data.load(task, mesh)
     model = adapters.apply(model, cfg, accelerator.device.type, task.peft_task_type)
     model = backend.tensor_parallel_model(accelerator, model)
@@ -131,7 +131,10 @@ def setup(cfg: RunConfig) -> Run:
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
     # One schedule step per weight update: a step of grpo updates grpo.iterations times.
-    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg.optim, total_steps * task.updates_per_step(cfg)))
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() of a scheduler alone returns it unregistered, so
+    # checkpoints lacked its state (a resume restarted the warmup).
+    scheduler = accelerator.prepare_scheduler(
+        build_scheduler(optimizer, cfg.optim, total_steps * task.updates_per_step(cfg)))
     mesh.attach(accelerator, optimizer)
 
     plan = {

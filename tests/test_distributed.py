@@ -45,7 +45,8 @@ def args(tiny_model, easy_data, tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("distributed.strategy=fsdp distributed.fsdp.version=1", "distributed.fsdp.version: 1 (FlatParameter FSDP) "
                                                              "needs CUDA GPUs"),
-    ("distributed.strategy=deepspeed", "distributed.strategy: deepspeed needs CUDA GPUs"),
+    ("distributed.strategy=deepspeed distributed.deepspeed.offload_params=cpu", "distributed.deepspeed."
+                                                                               "offload_params: offloading to the host"),
     ("distributed.fsdp.replicas=2", "distributed.fsdp.replicas: HSDP is FSDP2's"),
     ("distributed.strategy=fsdp distributed.fsdp.sharding_strategy=HYBRID_SHARD", "its hybrid sharding is "
                                                                                 "distributed.fsdp.replicas"),
@@ -102,15 +103,6 @@ def test_launch_with_fsdp_but_recipe_ddp(capsys, args, monkeypatch):
     assert "the launch config sets up fsdp" in error_of(capsys, args("distributed.strategy=ddp"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
-def test_strategy_auto_under_a_deepspeed_launch_is_refused_without_cuda(capsys, args, monkeypatch):
-    """(FSDP2 under an FSDP launch trains on the CPU: tests/test_fsdp.py.)"""
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    err = error_of(capsys, args())
-    assert "distributed.strategy: deepspeed (auto, from the launch config) needs CUDA GPUs" in err
-    assert "accelerate_configs/fsdp.yaml or accelerate_configs/cpu_ddp.yaml" in err
-
-
 def test_strategy_auto_takes_the_recipe_fsdp_settings_under_an_fsdp_launch(monkeypatch):
     from framework import backend
     from framework.config import RunConfig
@@ -127,22 +119,26 @@ def test_strategy_auto_takes_the_recipe_fsdp_settings_under_an_fsdp_launch(monke
     assert plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
 
 
-def test_strategy_auto_takes_the_recipe_zero_stage_under_a_deepspeed_launch(monkeypatch):
+def test_the_zero_stage_is_the_recipes_else_the_launch_configs_else_2_and_a_contradiction_is_refused(monkeypatch):
     from framework import backend
     from framework.config import RunConfig
+    from framework.errors import UserError
 
     cfg = RunConfig()
-    cfg.distributed.deepspeed.zero_stage = 3
     cfg.train.gradient_accumulation_steps = 4
     assert "deepspeed_plugin" not in backend.build._plugins(cfg)
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # the launch config's stage: the recipe's wins
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # strategy auto under a DeepSpeed launch config
+    assert backend.build._plugins(cfg)["deepspeed_plugin"].zero_stage == 2  # neither says: 2
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     plugin = backend.build._plugins(cfg)["deepspeed_plugin"]
-    assert plugin.zero_stage == 3 and plugin.gradient_accumulation_steps == 4
-    # The plan says so (an accelerator on GPUs under DeepSpeed, as far as notes() looks at it).
-    accelerator = SimpleNamespace(device=torch.device("cuda"), distributed_type="DEEPSPEED", num_processes=2)
-    assert "ZeRO stage 3 comes from the recipe (distributed.deepspeed.zero_stage); the launch config's stage 2 " \
-           "is not used" in backend.notes(cfg, accelerator)
+    assert plugin.zero_stage == 3 and plugin.gradient_accumulation_steps == 4  # the launch config's
+    cfg.distributed.deepspeed.zero_stage = 3
+    assert backend.build._plugins(cfg)["deepspeed_plugin"].zero_stage == 3
+    cfg.distributed.deepspeed.zero_stage = 1
+    with pytest.raises(UserError, match="distributed.deepspeed.zero_stage: 1, but the launch config sets ZeRO stage 3"):
+        backend.check(cfg)
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    assert backend.build._plugins(cfg)["deepspeed_plugin"].zero_stage == 1  # the recipe's
 
 
 def test_launch_of_two_processes_set_up_as_one_is_refused(capsys, args, monkeypatch):

@@ -3,7 +3,10 @@ construction (FSDP2 on CPU processes, HSDP's and tensor parallelism's meshes, XL
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Tuple
+import importlib
+import os
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Tuple
 
 import torch
 
@@ -84,6 +87,66 @@ def fsdp2_on_cpu_processes(accelerator: Accelerator, plugin) -> bool:
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return True
+
+
+def deepspeed_on_cpu_processes(cfg: RunConfig) -> bool:
+    """accelerate's own DeepSpeed path on CPU processes (gloo), set up before the Accelerator. Returns whether it was
+    needed (``distributed.strategy: deepspeed`` on the CPU).
+
+    accelerate (1.15) makes a run ``DistributedType.DEEPSPEED`` only where ``PartialState`` starts DeepSpeed's
+    process group (``ACCELERATE_USE_DEEPSPEED``, a launched process, not ``cpu``), and ``AcceleratorState`` keeps
+    the plugin only ``not cpu``; a CPU launch (``use_cpu``, or ``Accelerator(cpu=True)``) instead trains plain data
+    parallel with the plugin dropped. DeepSpeed itself runs on CPU processes: its CPU accelerator (``DS_ACCELERATOR
+    =cpu``) and gloo. So this starts the shared state as a DeepSpeed launch does, over gloo, with the CPU flag of the
+    launch cleared; the Accelerator built next (``cpu=False``) takes its plugin. One thing DeepSpeed compiles on the
+    way: ``deepspeed.comm.torch.TorchBackend`` JIT-builds its shared-memory all-reduce op (``build_shm_op``) at
+    start, which needs a compiler and 2 minutes, and serves its inference all-reduce only: it is skipped. The
+    optimizer is the framework's own torch optimizer (DeepSpeed's compiled ones are never asked for).
+    tests/test_deepspeed.py checks each assumption against the installed accelerate and DeepSpeed."""
+    if resolved_distributed(cfg).strategy != "deepspeed" or not on_cpu(cfg):
+        return False
+    from datetime import timedelta
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if "ACCELERATE_USE_CPU" in os.environ:  # a CPU launch config's use_cpu: it would drop the plugin
+        os.environ["ACCELERATE_USE_CPU"] = "false"
+    if "LOCAL_RANK" not in os.environ:  # not launched (python recipes/run.py): a process group of one, as torchrun's
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    from accelerate.state import PartialState
+
+    # By its module's name: the attribute deepspeed.comm.torch is torch itself (deepspeed.comm imports torch).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    minutes = cfg.distributed.timeout_minutes
+    PartialState(backend="gloo", **({"timeout": timedelta(minutes=minutes)} if minutes else {}))
+    return True
+
+
+@contextmanager
+def loading_whole_models(accelerator: Accelerator) -> Iterator[None]:
+    """Models loaded or built in this block are whole on every process. Under DeepSpeed ZeRO-3, transformers builds
+    every model (``from_pretrained``, ``from_config``) inside ``deepspeed.zero.Init`` whenever accelerate's DeepSpeed
+    config is registered (its ``HfDeepSpeedConfig``, set whatever ``zero3_init_flag`` says), and that partitioning
+    is collective, while the main process loads first (filling the caches) and the others wait at a barrier: ZeRO-3
+    hung there. The engine partitions the whole model when ``prepare`` builds it instead; the config is registered
+    again afterwards (saving reads it)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def fsdp2_wrap_classes(accelerator: Accelerator, model: torch.nn.Module) -> None:
@@ -194,9 +257,10 @@ def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
     check(cfg)
     mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
     plugins = _plugins(cfg)
+    deepspeed_on_cpu = deepspeed_on_cpu_processes(cfg)
     try:
         accelerator = Accelerator(
-            cpu=cfg.backend == "cpu" or auto_means_cpu(cfg),
+            cpu=(cfg.backend == "cpu" or auto_means_cpu(cfg)) and not deepspeed_on_cpu,
             mixed_precision=cfg.precision,
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=cfg.train.gradient_accumulation_steps,

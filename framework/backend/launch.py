@@ -84,14 +84,10 @@ def notes(cfg: RunConfig, accelerator: Accelerator) -> List[str]:
         said.append(f"precision {cfg.precision} comes from the recipe; the launch config's {launched} is not used")
     if cfg.distributed.strategy == "ddp" and accelerator.num_processes == 1:
         said.append("distributed.strategy ddp with one process: no data parallelism (launch more processes)")
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     d = resolved_distributed(cfg)
     if d.strategy == "fsdp" and accelerator.distributed_type != "FSDP":
         said.append("distributed.strategy fsdp without a distributed launch: accelerate trains one plain process "
                     "(launch with accelerate launch --config_file accelerate_configs/fsdp.yaml)")
-    if d.strategy == "deepspeed" and stage and int(stage) != d.deepspeed.zero_stage:
-        said.append(f"ZeRO stage {d.deepspeed.zero_stage} comes from the recipe (distributed.deepspeed.zero_stage); "
-                    f"the launch config's stage {stage} is not used")
     return said
 
 

@@ -31,7 +31,8 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
     state_dict = accelerator.get_state_dict(model)
     if on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
-    if is_fsdp2(accelerator) or is_tensor_parallel(accelerator):
+    if state_dict is not None and (is_fsdp2(accelerator) or is_tensor_parallel(accelerator)
+                                   or accelerator.distributed_type == "DEEPSPEED"):  # ZeRO-3: None but on the first
         state_dict = _without_tied_copies(accelerator.unwrap_model(model), state_dict)
     if is_tensor_parallel(accelerator):  # DTensor shards, gathered whole on every process
         state_dict = {name: tensor.full_tensor() if _is_dtensor(tensor) else tensor
@@ -70,8 +71,8 @@ def gather_for_metrics(accelerator: Accelerator, outputs: Dict[str, torch.Tensor
 
 
 def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The state dict without the second name of a tied weight (GPT-2's lm_head.weight, the embedding's). FSDP2
-    and tensor parallelism gather each name into its own tensor, so save_pretrained, which finds ties by shared
+    """The state dict without the second name of a tied weight (GPT-2's lm_head.weight, the embedding's). FSDP2,
+    tensor parallelism and DeepSpeed gather each name into its own tensor, so save_pretrained, which finds ties by shared
     storage, wrote both (a model/ that differed from DDP's by a redundant copy of the embedding)."""
     first: Dict[int, str] = {}
     copies = set()

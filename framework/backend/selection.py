@@ -49,10 +49,18 @@ def strategy(cfg: RunConfig) -> str:
     return cfg.distributed.strategy
 
 
+def _launched_zero_stage() -> Optional[int]:
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    return int(stage) if stage else None
+
+
 def resolved_distributed(cfg: RunConfig) -> DistributedConfig:
-    """The recipe's ``distributed`` section with the strategy resolved (see ``strategy``): what the checks,
-    the plugins and the memory plan go by."""
-    return dataclasses.replace(cfg.distributed, strategy=strategy(cfg))
+    """The recipe's ``distributed`` section with the strategy resolved (see ``strategy``) and DeepSpeed's ZeRO
+    stage (the recipe's, else the launch config's, else 2): what the checks, the plugins and the memory plan go by."""
+    ds = cfg.distributed.deepspeed
+    stage = ds.zero_stage if ds.zero_stage is not None else _launched_zero_stage()
+    return dataclasses.replace(cfg.distributed, strategy=strategy(cfg),
+                               deepspeed=dataclasses.replace(ds, zero_stage=2 if stage is None else stage))
 
 
 def _strategy_key(cfg: RunConfig) -> str:
@@ -102,12 +110,15 @@ def check(cfg: RunConfig) -> None:
     if strategy_ in ("xla_spmd", "xla_fsdp") and not (xla and has_xla()):
         raise UserError(f"distributed.strategy: {strategy_} needs backend=xla and torch_xla; {XLA_INSTALL}")
     cpu = on_cpu(cfg)
-    if strategy_ == "deepspeed" and cpu:
-        fix = ("use strategy=fsdp (FSDP2 runs on CPU processes) or strategy=ddp here"
-               if strategy_ == cfg.distributed.strategy else
-               "launch with accelerate_configs/fsdp.yaml or accelerate_configs/cpu_ddp.yaml here")
-        raise UserError(f"distributed.strategy: {_strategy_key(cfg)} needs CUDA GPUs (accelerate would silently "
-                        f"train plain data-parallel on the CPU); {fix}")
+    ds, launched_stage = cfg.distributed.deepspeed, _launched_zero_stage()
+    if strategy_ == "deepspeed" and None not in (ds.zero_stage, launched_stage) and ds.zero_stage != launched_stage:
+        raise UserError(f"distributed.deepspeed.zero_stage: {ds.zero_stage}, but the launch config sets ZeRO stage "
+                        f"{launched_stage}; set distributed.deepspeed.zero_stage={launched_stage} or null (the launch "
+                        "config's), or launch with a config of that stage")
+    if strategy_ == "deepspeed" and cpu and (ds.offload_optimizer != "none" or ds.offload_params != "none"):
+        key = "offload_optimizer" if ds.offload_optimizer != "none" else "offload_params"
+        raise UserError(f"distributed.deepspeed.{key}: offloading to the host needs a GPU to offload from (on CPU "
+                        "processes everything is in host memory already); set it to none")
     if strategy_ == "fsdp" and cpu and cfg.distributed.fsdp.version == 1:
         raise UserError("distributed.fsdp.version: 1 (FlatParameter FSDP) needs CUDA GPUs (accelerate sets it up "
                         "on CPU processes only as plain data parallel); use distributed.fsdp.version=2, which "

@@ -25,6 +25,13 @@ def is_fsdp2(accelerator: Accelerator) -> bool:
     return getattr(accelerator, "is_fsdp2", False)
 
 
+def is_zero3(accelerator: Accelerator) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the parameters: a weight is whole only inside its own module's forward
+    (DeepSpeed's hooks gather it there), so nothing may read one outside it (the chunked loss's head)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None) if accelerator.distributed_type == "DEEPSPEED" else None
+    return plugin is not None and plugin.zero_stage == 3
+
+
 def shards_parameters(accelerator: Accelerator) -> bool:
     """Whether the strategy (FSDP, DeepSpeed) places and shards the model itself in ``prepare``: its weights are
     not whole on every process, and a model built beside it is not sharded alike."""

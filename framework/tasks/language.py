@@ -65,7 +65,9 @@ class LanguageModel(Task):
 
     def for_run(self, model, accelerator, cfg) -> "LanguageModel":
         task = self.with_loss(cfg, static_shapes=backend.needs_static_shapes(accelerator))
-        if backend.is_tensor_parallel(accelerator):  # the head is sharded: its own forward gathers the logits
+        # The head is sharded (tensor parallelism) or partitioned outside its forward (ZeRO-3): its own forward
+        # gathers the logits.
+        if backend.is_tensor_parallel(accelerator) or backend.is_zero3(accelerator):
             task.loss_chunk = None
         return task
 

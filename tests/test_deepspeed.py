@@ -1,0 +1,157 @@
+"""DeepSpeed ZeRO for real on CPU processes (DeepSpeed's CPU accelerator, gloo): accelerate's own DeepSpeed path, set
+up by backend.deepspeed_on_cpu_processes. On 2 processes ZeRO-1 and ZeRO-2 train exactly what DDP does (the same
+losses and weights, bitwise) and ZeRO-3 within fp32 rounding; model/ is the whole model, loadable by pipeline();
+DeepSpeed's own checkpoints resume bitwise after SIGKILL; the launch config's ZeRO stage is the stage that runs.
+
+The tiny GPT-2 of tests/tiny_lm.yaml, as tests/test_fsdp.py trains it."""
+
+import importlib
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import crash_then_resume, free_port, lm_args, losses_by_step, summary
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]'")
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(CUDA, reason="the CPU path; make test-gpu runs ZeRO on GPUs")]
+# 12 optimizer steps, a checkpoint every 4 (the kill below is after step 8's), as tests/test_fsdp.py.
+COMMON = ["backend=cpu", "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
+          "train.cpu_threads=1"]
+# ZeRO reduces each gradient in buckets of its own (reduce-scatter, or all-reduce then partition) where DDP all-
+# reduces its own buckets: the same sums in another order, fp32 rounding apart. As tests/test_fsdp.py says of FSDP2,
+# AdamW divides each update by sqrt(v), so a gradient that differs in its last bits moves a weight by up to ~lr *
+# 1e-3. Measured over the 12 steps here (the test prints them): ZeRO-1 and ZeRO-2, losses within 2.6e-7 of DDP's
+# and weights within 7.5e-6; ZeRO-3, 7.5e-7 and 8.0e-6. The bounds: FSDP2's (2.5 x the measured).
+WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
+LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def launch(processes: int = 2) -> list:
+    return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def cli_module(hf_home):
+    from helpers import cli_runner
+
+    return cli_runner(hf_home)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
+    out = tmp_path_factory.mktemp("ddp") / "out"
+    cli_module(lm_args(word_tokenizer, corpus, out, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
+               launch_args=launch())
+    return out
+
+
+def zero_args(word_tokenizer, corpus, out: Path, stage: int) -> list:
+    return lm_args(word_tokenizer, corpus, out, *COMMON, "distributed.strategy=deepspeed",
+                   f"distributed.deepspeed.zero_stage={stage}")
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
+    out = tmp_path_factory.mktemp("zero2") / "out"
+    args = zero_args(word_tokenizer, corpus, out, 2)
+    return out, args, cli_module(args, launch="cpu_ddp.yaml", launch_args=launch())
+
+
+def test_the_deepspeed_contract_the_cpu_switch_relies_on():
+    """What backend.deepspeed_on_cpu_processes relies on, read from the installed accelerate and DeepSpeed: a new
+    version that changes one of them fails here, by name, before any run trains something else."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    torch_backend = importlib.import_module("deepspeed.comm.torch")
+    assert callable(torch_backend.build_shm_op)  # the JIT build skipped, by this name
+    assert "build_shm_op()" in inspect.getsource(torch_backend.TorchBackend.__init__)
+    partial = inspect.getsource(PartialState.__init__)  # DeepSpeed's process group, for a launched non-CPU process
+    assert 'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"' in partial
+    assert "if not cpu and self.backend != \"xla\":" in partial
+    state = inspect.getsource(AcceleratorState.__init__)  # the plugin kept only where cpu is false
+    assert 'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu' in state
+    assert 'if parse_flag_from_env("ACCELERATE_USE_CPU"):' in state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_run, zero2_run, cli_module, corpus, word_tokenizer,
+                                                      tmp_path):
+    if stage == 2:
+        out, _, proc = zero2_run
+    else:
+        out = tmp_path / f"zero{stage}"
+        proc = cli_module(zero_args(word_tokenizer, corpus, out, stage), launch="cpu_ddp.yaml", launch_args=launch())
+    assert f"strategy: deepspeed (ZeRO stage {stage})" in proc.stdout and "num_processes: 2" in proc.stdout
+    assert "shm_comm_op built" not in proc.stdout + proc.stderr  # nothing compiled
+    a, b = losses_by_step(out), losses_by_step(ddp_run)
+    assert len(a) == 12 and a.keys() == b.keys()
+    wa, wb = weights(out), weights(ddp_run)
+    assert wa.keys() == wb.keys()
+    torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), **LOSS_TOLERANCE)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], **WEIGHT_TOLERANCE, msg=lambda m: f"{name}: {m}")
+    print(stage, {"max loss difference": max(abs(a[s] - b[s]) for s in a),
+                  "max weight difference": max((wa[k] - wb[k]).abs().max().item() for k in wa)})
+
+
+def test_model_is_whole_and_loadable_by_pipeline(zero2_run):
+    from transformers import pipeline
+
+    out, _, _ = zero2_run
+    generate = pipeline("text-generation", model=str(out / "model"), device="cpu")
+    assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
+
+
+def test_a_zero_checkpoint_resumes_bitwise_after_sigkill(zero2_run, hf_home, tmp_path):
+    """DeepSpeed's own checkpoint (each process's partition of the optimizer state) and the framework's schedule:
+    before prepare_scheduler, a DeepSpeed checkpoint held no scheduler state and a resume restarted the warmup."""
+    out, args, _ = zero2_run
+    step_8 = out / "checkpoints" / "step_8"
+    assert {"pytorch_model", "scheduler.bin"} <= {p.name for p in step_8.iterdir()}
+    resumed = tmp_path / "resumed"
+    resumed_args = [a if not a.startswith("output_dir=") else f"output_dir={resumed}" for a in args]
+    proc = crash_then_resume(hf_home, resumed_args, 10, launch="cpu_ddp.yaml", launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_8" in proc.stdout
+    assert summary(resumed)["train"]["resumed_from_step"] == 8
+    assert losses_by_step(resumed) == losses_by_step(out)
+    wa, wb = weights(resumed), weights(out)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_launch_configs_stage_runs_and_a_contradicting_recipe_is_refused(cli_module, corpus, word_tokenizer,
+                                                                             tmp_path):
+    """accelerate_configs/deepspeed_zero3.yaml with the recipe's stage unset (strategy auto): ZeRO-3 runs. The same
+    launch with distributed.deepspeed.zero_stage=2: exit 2 naming both stages."""
+    out = tmp_path / "zero3"
+    args = lm_args(word_tokenizer, corpus, out, *COMMON[:1], "train.max_steps=2", "train.cpu_threads=1")
+    proc = cli_module(args, launch="deepspeed_zero3.yaml", launch_args=launch())
+    assert "strategy: deepspeed (ZeRO stage 3)" in proc.stdout and "num_processes: 2" in proc.stdout
+    bad = cli_module(lm_args(word_tokenizer, corpus, tmp_path / "bad", "backend=cpu", "distributed.deepspeed.zero_stage=2"),
+                     launch="deepspeed_zero3.yaml", launch_args=launch(), check=False)
+    assert bad.returncode != 0 and "[rank0]: Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert ("distributed.deepspeed.zero_stage: 2, but the launch config sets ZeRO stage 3; set "
+            "distributed.deepspeed.zero_stage=3 or null") in bad.stderr
+    assert not os.path.exists(tmp_path / "bad" / "summary.json")
+
+
+def test_one_unlaunched_process_trains_and_offloading_is_refused_on_the_cpu(cli_module, corpus, word_tokenizer,
+                                                                           tmp_path):
+    """python recipes/run.py with strategy deepspeed (no launcher): a process group of one, ZeRO-2 trains. Offloading
+    to the host means nothing on CPU processes (everything is there already): refused by key, exit 2."""
+    out = tmp_path / "one"
+    proc = cli_module(lm_args(word_tokenizer, corpus, out, "backend=cpu", "train.max_steps=2",
+                              "distributed.strategy=deepspeed"))
+    assert "strategy: deepspeed (ZeRO stage 2)" in proc.stdout and summary(out)["train"]["steps"] == 2
+    bad = cli_module(lm_args(word_tokenizer, corpus, tmp_path / "bad", "backend=cpu", "distributed.strategy=deepspeed",
+                             "distributed.deepspeed.offload_optimizer=cpu"), check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "distributed.deepspeed.offload_optimizer: offloading to the host needs a GPU" in bad.stderr
