@@ -57,9 +57,12 @@ def _examples(names: List[str]) -> str:
     return ", ".join(repr(names[i]) for i in sorted({i * (len(names) - 1) // 4 for i in range(5)}))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str,
+                    dtensors: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``optim.name`` over ``param_groups``. ``device_type`` is where the parameters will train
-    (``accelerator.device.type``): the model may still be on the CPU here, before ``accelerator.prepare``."""
+    (``accelerator.device.type``): the model may still be on the CPU here, before ``accelerator.prepare``.
+    ``dtensors``: the parameters will be DTensors (FSDP2, tensor parallelism), for which torch (2.13) has a fused
+    AdamW but no fused SGD (``aten._fused_sgd_`` has no sharding rule: every SGD run under FSDP2 failed)."""
     groups = param_groups(model, cfg)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
@@ -69,7 +72,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) 
             raise UserError("optim.nesterov: Nesterov SGD needs momentum; set optim.momentum > 0 "
                             "or optim.nesterov=false")
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               **_kernel(device_type))
+                               **({} if dtensors else _kernel(device_type)))
     if cfg.name == "adafactor":  # a plain per-parameter loop: transformers' Adafactor has no fused kernel
         from transformers.optimization import Adafactor
 

@@ -1,5 +1,7 @@
 """What every task promises, checked for each on its tiny recipe: 1 process = 2 processes (gloo) = gradient
-accumulation (the same examples in each optimizer step) within the task's stated tolerances; a run killed
+accumulation (the same examples in each optimizer step) within the task's stated tolerances; 2 processes under each
+sharding strategy (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3) train what 1 process does too, or are refused by key (the task x
+strategy matrix); a run killed
 mid-training resumes to bitwise the uninterrupted run's weights and logged losses; a bad row is refused with
 exit 2 and a message naming its column; ``--dry-run`` exits 0 after printing the plan.
 
@@ -99,6 +101,20 @@ CONTRACTS = {
         spoil=blank_prompt, message="grpo.prompt_column: the row", slow=(),
         same=("reward", "reward_std", "completions/mean_length", "completions/max_length")),
 }
+
+
+# The task x strategy matrix: each strategy on 2 CPU processes (its launch, its keys). tests/test_fsdp.py and
+# tests/test_deepspeed.py go deeper into each (resume, memory, the contracts with accelerate and DeepSpeed).
+STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
+              "zero2": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=2"]),
+              "zero3": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"])}
+# The cells refused by key, and the message's start.
+REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in STRATEGIES},
+           **{("grpo", s): "task: grpo does not run under FSDP or DeepSpeed yet" for s in STRATEGIES},
+           ("masked_lm", "fsdp2"): "task: masked_lm does not run under FSDP2 yet"}
+# A sharded strategy sums each gradient in another order than one process (reduce-scatter or bucketed reductions):
+# tests/test_fsdp.py's bounds, for weights and the logged losses.
+SHARDED_WEIGHTS, SHARDED_LOSSES = (1e-4, 2e-5), 1e-5
 
 
 def test_every_task_has_a_contract():
@@ -208,6 +224,30 @@ def test_two_processes_share_the_cores_and_count_each_eval_example_once(runs):
     assert two_eval["eval_examples"] == one_eval["eval_examples"] == 40
     assert two_eval["eval_accuracy"] == one_eval["eval_accuracy"] and two_eval["eval_f1"] == one_eval["eval_f1"]
     assert summary(two)["train"]["samples"] == 6 * 8
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU processes' matrix (make test-gpu has its own)")
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@tasks("two_processes")
+def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or_is_refused(runs, strategy):
+    from helpers import free_port
+
+    launch, keys = STRATEGIES[strategy]
+    out = runs.tmp / strategy
+    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, f"train.batch_size={runs.spec['batch'] // 2}", *keys),
+                                    launch=launch, check=False,
+                                    launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
+    refused = REFUSED.get((runs.task, strategy))
+    if refused:
+        assert proc.returncode != 0 and refused in proc.stderr and "[rank0]: Traceback" not in proc.stderr, \
+            proc.stderr[-3000:]
+        assert not (out / "summary.json").exists()
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(out)["num_processes"] == 2 and summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed"))
+    spec = dict(runs.spec, weights=runs.spec["weights"] and SHARDED_WEIGHTS, losses=SHARDED_LOSSES)
+    assert_equivalent(spec, out, runs.one)
 
 
 @tasks("resume")

@@ -54,10 +54,14 @@ def _plugins(cfg: RunConfig) -> dict:
         plugins["fsdp_plugin"] = FullyShardedDataParallelPlugin(**options)
     elif d.strategy == "deepspeed":
         z = d.deepspeed
-        plugins["deepspeed_plugin"] = DeepSpeedPlugin(
+        plugin = DeepSpeedPlugin(
             zero_stage=z.zero_stage, offload_optimizer_device=z.offload_optimizer, offload_param_device=z.offload_params,
             gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
             gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)
+        # Set in the config itself: the plugin leaves a falsy clipping out of it, and accelerate's prepare then
+        # fills the missing key with 1.0, so train.max_grad_norm: null clipped every step at 1 (0 is DeepSpeed's off).
+        plugin.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm or 0.0
+        plugins["deepspeed_plugin"] = plugin
     return plugins
 
 

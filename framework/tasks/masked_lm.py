@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForMaskedLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from framework import data, hub
+from framework import backend, data, hub
 from framework.errors import UserError
 from framework.tasks.base import MODEL_ERRORS, register
 from framework.tasks.language import IGNORE, LanguageModel
@@ -32,6 +32,15 @@ class MaskedLM(LanguageModel):
     pipeline = "fill-mask"
     architectures = "bert, roberta, ..."
     reads = ("data.block_size", "data.mlm_probability")  # one text per row, truncated to block_size: no packing
+
+    def for_run(self, model, accelerator, cfg) -> "MaskedLM":
+        if backend.is_fsdp2(accelerator):
+            # accelerate (1.15) shards the tied decoder (its weight and bias, shared with the embedding and the
+            # prediction head's bias) in groups of its own: fully_shard ended the run with "Parameter ... is shared
+            # with a parameter already managed by another FSDP group" (tests/test_task_contract.py's matrix).
+            raise UserError("task: masked_lm does not run under FSDP2 yet (its tied decoder is sharded in two FSDP "
+                            "groups); use distributed.strategy=ddp or deepspeed")
+        return super().for_run(model, accelerator, cfg)
 
     def load(self, cfg, train, evaluation):
         m = cfg.model
