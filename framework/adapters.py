@@ -35,11 +35,14 @@ def check(cfg, strategy: str) -> List[str]:
         problems.append("peft: adapters train on top of a pretrained model, but model.config builds a new one; set "
                         "model.name_or_path (e.g. the model/ folder of an earlier run) or remove the peft section")
     fsdp1 = strategy == "fsdp" and cfg.distributed.fsdp.version == 1
-    if strategy in ("deepspeed", "xla_fsdp") or fsdp1:
+    if strategy == "xla_fsdp" or fsdp1:
         name = "fsdp with distributed.fsdp.version 1" if fsdp1 else strategy
-        problems.append(f"peft: adapters run with one process, DDP or FSDP2 (and on XLA with xla_spmd), not with "
-                        f"distributed.strategy {name}; use distributed.strategy=fsdp (version 2) or ddp, or remove "
-                        "the peft section")
+        problems.append(f"peft: adapters run with one process, DDP, FSDP2 or DeepSpeed (and on XLA with xla_spmd), "
+                        f"not with distributed.strategy {name}; use distributed.strategy=fsdp (version 2) or ddp, or "
+                        "remove the peft section")
+    if p.quantize and strategy == "deepspeed":
+        problems.append("peft.quantize: 4-bit weights under DeepSpeed are not wired here (QLoRA runs with one "
+                        "process, DDP or FSDP2); use distributed.strategy=ddp or fsdp, or peft.quantize=null")
     if p.quantize and cfg.backend == "xla":
         problems.append(NO_4BIT_ON_XLA)
     if hub.is_gguf(cfg.model.name_or_path or "") and not p.merge:

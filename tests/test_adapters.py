@@ -194,8 +194,9 @@ def test_lora_two_processes_equal_one_with_double_batch(cli, hf_home, pretrained
     (["peft.lora_alpha=8"], "did you mean 'peft.alpha'"),
     (["peft.r=0"], "peft.r: 0 is out of range"),
     (["peft.quantize=4bit", "backend=xla"], "peft.quantize: 4-bit weights need bitsandbytes kernels"),
-    (["distributed.strategy=xla_fsdp"], "peft: adapters run with one process, DDP or FSDP2"),
-], ids=["target_modules", "quantize", "modules_to_save", "typo", "rank", "xla", "xla_fsdp"])
+    (["distributed.strategy=xla_fsdp"], "peft: adapters run with one process, DDP, FSDP2 or DeepSpeed"),
+    (["peft.quantize=4bit", "distributed.strategy=deepspeed"], "peft.quantize: 4-bit weights under DeepSpeed"),
+], ids=["target_modules", "quantize", "modules_to_save", "typo", "rank", "xla", "xla_fsdp", "qlora_deepspeed"])
 def test_bad_adapter_settings_are_refused_by_key(hf_home, tiny_model, easy_data, tmp_path, capsys, extra, message):
     out = tmp_path / "bad"
     assert run_main(classifier_args(tiny_model, easy_data, out, *LORA, *extra), hf_home) == 2
