@@ -134,7 +134,7 @@ def schedule_factor(name: str, step: int, warmup: int, total: int, lr_init: floa
     steps, then the schedule. These are the formulas of ``transformers.get_scheduler`` with its defaults (cosine:
     half a cycle; cosine_with_restarts: one cycle; polynomial: power 1 down to 1e-7), written here because
     importing ``transformers.optimization`` imports peft and bitsandbytes: 2 s of CPU at every process's start here
-    (measured on top of the model's own imports). ``lr_init``: the optimizer's default learning rate, which the polynomial ends relative to."""
+    (measured on top of the model's own imports). ``lr_init``: ``optim.lr``, the peak the polynomial ends relative to."""
     if name == "constant":
         return 1.0
     if step < warmup:

@@ -127,7 +127,7 @@ def setup(cfg: RunConfig) -> Run:
     peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type,
-                                dtensors=backend.is_fsdp2(accelerator) or backend.is_tensor_parallel(accelerator))
+                                dtensors=backend.has_dtensor_parameters(accelerator))
     model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))

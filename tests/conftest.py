@@ -93,3 +93,9 @@ def pretrained_lm(tmp_path_factory, hf_home, word_tokenizer, corpus):
 def cli(hf_home):
     """``cli_runner`` for a test."""
     return cli_runner(hf_home)
+
+
+@pytest.fixture(scope="module")
+def cli_module(hf_home):
+    """``cli_runner`` for a module's shared runs (module-scoped fixtures)."""
+    return cli_runner(hf_home)

@@ -40,13 +40,6 @@ def weights(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cli_module(hf_home):
-    from helpers import cli_runner
-
-    return cli_runner(hf_home)
-
-
-@pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
     out = tmp_path_factory.mktemp("ddp") / "out"
     cli_module(lm_args(word_tokenizer, corpus, out, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",

@@ -78,13 +78,6 @@ def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
     return out, args, proc
 
 
-@pytest.fixture(scope="module")
-def cli_module(hf_home):
-    from helpers import cli_runner
-
-    return cli_runner(hf_home)
-
-
 def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
     """What backend.fsdp2_on_cpu_processes relies on (tests/scripts/fsdp_contract.py says each assumption)."""
     proc = cli_module([str(free_port())], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "fsdp_contract.py",

@@ -14,7 +14,7 @@ from framework.backend import xla_spmd
 from framework.backend.cpu import cpu_threads, reuse_large_buffers
 from framework.backend.launch import check_launch
 from framework.backend.selection import auto_means_cpu, check, on_cpu, resolved_distributed
-from framework.backend.topology import is_fsdp2, on_xla, tensor_parallel_size
+from framework.backend.topology import is_fsdp2, is_zero3, on_xla, tensor_parallel_size
 from framework.config import RunConfig
 from framework.errors import UserError
 
@@ -140,8 +140,7 @@ def loading_whole_models(accelerator: Accelerator) -> Iterator[None]:
     is collective, while the main process loads first (filling the caches) and the others wait at a barrier: ZeRO-3
     hung there. The engine partitions the whole model when ``prepare`` builds it instead; the config is registered
     again afterwards (saving reads it)."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3:
+    if not is_zero3(accelerator):
         yield
         return
     from transformers.integrations import unset_hf_deepspeed_config
@@ -150,7 +149,7 @@ def loading_whole_models(accelerator: Accelerator) -> Iterator[None]:
     try:
         yield
     finally:
-        plugin.set_deepspeed_weakref()
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
 def fsdp2_wrap_classes(accelerator: Accelerator, model: torch.nn.Module) -> None:

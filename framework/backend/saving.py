@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
 import torch
 
 from framework.backend import xla_spmd
-from framework.backend.topology import is_fsdp2, is_tensor_parallel, on_xla
+from framework.backend.topology import has_dtensor_parameters, is_tensor_parallel, on_xla
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -31,7 +31,7 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
     state_dict = accelerator.get_state_dict(model)
     if on_xla(accelerator):
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
-    if state_dict is not None and (is_fsdp2(accelerator) or is_tensor_parallel(accelerator)
+    if state_dict is not None and (has_dtensor_parameters(accelerator)
                                    or accelerator.distributed_type == "DEEPSPEED"):  # ZeRO-3: None but on the first
         state_dict = _without_tied_copies(accelerator.unwrap_model(model), state_dict)
     if is_tensor_parallel(accelerator):  # DTensor shards, gathered whole on every process
@@ -85,7 +85,7 @@ def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Ten
 def held_bytes(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> Optional[Callable[[Iterable[torch.Tensor]], int]]:
     """Where the states are sharded, a function giving the bytes this process (the first device under xla_fsdp)
     holds of some tensors, read from their shards; None where every process holds them whole."""
-    if is_fsdp2(accelerator) or is_tensor_parallel(accelerator):
+    if has_dtensor_parameters(accelerator):
         return _local_shard_bytes
     return mesh.held_bytes
 

@@ -25,6 +25,11 @@ def is_fsdp2(accelerator: Accelerator) -> bool:
     return getattr(accelerator, "is_fsdp2", False)
 
 
+def has_dtensor_parameters(accelerator: Accelerator) -> bool:
+    """Whether the parameters are DTensors, each process holding its shard (FSDP2, tensor parallelism)."""
+    return is_fsdp2(accelerator) or is_tensor_parallel(accelerator)
+
+
 def is_zero3(accelerator: Accelerator) -> bool:
     """Whether DeepSpeed ZeRO-3 partitions the parameters: a weight is whole only inside its own module's forward
     (DeepSpeed's hooks gather it there), so nothing may read one outside it (the chunked loss's head)."""
