@@ -478,10 +478,23 @@ def format_plan(plan: Dict[str, object]) -> str:
 
 def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = None) -> Optional[Dict]:
     """The whole run; returns the summary (None for a dry run). ``signals``: the CLI's handlers, installed
-    for the whole run; without them a signal is handled only inside the training loop."""
+    for the whole run; without them a signal is handled only inside the training loop. However it ends, what the
+    run built is freed before this returns (backend.release)."""
     started = time.perf_counter()
     run = setup(cfg)
-    acc = run.accelerator
+    accelerator = run.accelerator
+    finished = False
+    try:
+        summary = _run(run, started, dry_run, signals)
+        finished = True
+        return summary
+    finally:
+        del run
+        backend.release(accelerator, finished)
+
+
+def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) -> Optional[Dict]:
+    cfg, acc = run.cfg, run.accelerator
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         print(format_plan(run.plan), flush=True)
@@ -588,5 +601,4 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         if cfg.report.enabled:
             write_report(out)
         print(f"done: eval {run.task.metric} {summary['eval'][run.task.metric]:.4f}, outputs in {out}")
-    acc.end_training()
     return summary

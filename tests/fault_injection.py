@@ -11,7 +11,9 @@ Points:
 - ``eval``: an evaluation (``framework.train.evaluate``; the last one comes before model/ and summary.json).
 
 Kinds: ``SIGKILL``, ``SIGTERM``; ``fill=R`` (a ballast file on the small filesystem ``disk`` leaves R bytes
-free); ``readonly`` (``disk`` remounted read-only); ``vanish`` (the run's output_dir removed).
+free); ``readonly`` (``disk`` remounted read-only); ``vanish`` (the run's output_dir removed); ``nan`` (at
+``micro`` only: the first weight of this process's shard made NaN, as a corrupted update would leave it; under
+ZeRO-3 that is its partition, ``ds_tensor``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def parse(fault: str) -> tuple:
     return kind, point, int(n)
 
 
-def act(kind: str, disk: Path, output_dir: Path) -> None:
+def act(kind: str, disk: Path, output_dir: Path, args: tuple = ()) -> None:
+    """Do the fault; ``args``: those of the call it follows."""
     if kind in ("SIGKILL", "SIGTERM"):
         os.kill(os.getpid(), getattr(signal, kind))
     elif kind.startswith("fill="):
@@ -50,6 +53,12 @@ def act(kind: str, disk: Path, output_dir: Path) -> None:
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
     elif kind == "vanish":
         shutil.rmtree(output_dir)
+    elif kind == "nan":
+        import torch
+
+        weight = next(args[0].model.parameters())  # backward_and_step(run, ...)
+        with torch.no_grad():
+            getattr(weight, "ds_tensor", weight).view(-1)[0] = float("nan")
     else:
         raise ValueError(kind)
 
@@ -75,7 +84,7 @@ def install(fault: str, disk: Path, output_dir: Path, setattr_=setattr) -> None:
         result = original(*args, **kwargs)
         calls[0] += 1
         if calls[0] == n:
-            act(kind, disk, output_dir)
+            act(kind, disk, output_dir, args)
         return result
 
     setattr_(owner, name, wrapped)

@@ -7,6 +7,7 @@ The tiny GPT-2 of tests/tiny_lm.yaml, as tests/test_fsdp.py trains it."""
 
 import importlib
 import inspect
+import json
 import os
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from helpers import crash_then_resume, free_port, lm_args, lora_lm_args, losses_
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]'")
 CUDA = torch.cuda.is_available()
+LEFT_BEHIND = Path(__file__).resolve().parent / "scripts" / "left_behind.py"
+FAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_at.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(CUDA, reason="the CPU path; make test-gpu runs ZeRO on GPUs")]
 # 12 optimizer steps, a checkpoint every 4 (the kill below is after step 8's), as tests/test_fsdp.py.
 COMMON = ["backend=cpu", "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
@@ -148,6 +151,37 @@ def test_one_unlaunched_process_trains_and_offloading_is_refused_on_the_cpu(cli_
                              "distributed.deepspeed.offload_optimizer=cpu"), check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "distributed.deepspeed.offload_optimizer: offloading to the host needs a GPU" in bad.stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nothing_of_the_engine_outlives_the_run(stage, cli_module, corpus, word_tokenizer, tmp_path):
+    """After a finished run each process holds no parameter, optimizer or DeepSpeed engine: what was left used to be
+    torn down during the interpreter's shutdown, where on CI a finished ZeRO-2 run's second process aborted (SIGABRT
+    after "done"). Without backend.release each process still held the model, the optimizer and the engine (through
+    the engine's gradient hooks; under ZeRO-3 also its forward stack and its coordinator's cache)."""
+    proc = cli_module(zero_args(word_tokenizer, corpus, tmp_path / "out", stage) + ["train.max_steps=2"],
+                      launch="cpu_ddp.yaml", launch_args=launch(), script=LEFT_BEHIND)
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"left"')]
+    assert reports == [{"left": [], "gc_enabled": True}] * 2, reports
+
+
+def test_a_weight_made_nan_under_zero3_stops_the_run_before_its_checkpoint(cli, corpus, word_tokenizer, tmp_path,
+                                                                             monkeypatch):
+    """ZeRO-3 keeps each process's part of a weight in ``ds_tensor``, the parameter itself being empty between
+    forwards: process 1's part made NaN after step 2's update (tests/fault_injection.py), with a checkpoint every
+    step. The weights' check before step 2's checkpoint reads each process's partition: status 4, the line names
+    the weight at step 2, only step 1's checkpoint. Reading the empty parameters instead, the check passed, step
+    2's checkpoint was written, and the run stopped a step later on the NaN loss."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAULT", "nan@micro:2")
+    monkeypatch.setenv("FAULT_RANK", "1")
+    proc = cli(zero_args(word_tokenizer, corpus, out, 3) + ["checkpoint.every_steps=1"], launch="cpu_ddp.yaml",
+               launch_args=launch(), script=FAULT_SCRIPT, check=False)
+    assert proc.returncode != 0 and "exitcode  : 4" in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("diverged:")]
+    assert len(lines) == 1 and "a weight is not finite after step 2, although the loss was" in lines[0], lines
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert not (out / "model").exists()
 
 
 def test_lora_under_zero2_and_zero3_trains_what_ddp_does(cli_module, pretrained_lm, corpus, tmp_path):

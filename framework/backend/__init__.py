@@ -17,7 +17,7 @@ a module of its own:
 - xla_spmd: XLA SPMD's device mesh
 """
 
-from framework.backend.build import (build_accelerator, fsdp2_on_cpu_processes, loading_whole_models,
+from framework.backend.build import (build_accelerator, fsdp2_on_cpu_processes, loading_whole_models, release,
                                     tensor_parallel_model)
 from framework.backend.compiles import CompileWatch, xla_stats
 from framework.backend.cpu import cpu_threads, large_buffers_unmapped, reuse_large_buffers
@@ -40,7 +40,7 @@ __all__ = [
     "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
     "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "preemption_check_interval",
-    "read_scalar", "resolved_distributed", "reuse_large_buffers", "save_state", "saving_gathered", "select_backend", "shards_parameters",
+    "read_scalar", "release", "resolved_distributed", "reuse_large_buffers", "save_state", "saving_gathered", "select_backend", "shards_parameters",
     "state_dict_for_save", "strategy", "strategy_name", "tensor_parallel_model", "tensor_parallel_size", "to_host",
     "total_memory_bytes", "total_over_processes", "unwrap", "xla_stats", "zero_scalar",
 ]

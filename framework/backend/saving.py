@@ -91,8 +91,11 @@ def held_bytes(accelerator: Accelerator, mesh: xla_spmd.Mesh) -> Optional[Callab
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a DTensor (FSDP2's, tensor parallelism's); any other tensor whole."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    """This process's shard of a DTensor (FSDP2's, tensor parallelism's) or of a ZeRO-3 parameter (its
+    ``ds_tensor``: the parameter itself is an empty placeholder between forwards); any other tensor whole."""
+    if _is_dtensor(tensor):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
 
 
 def _local_shard_bytes(tensors: Iterable[torch.Tensor]) -> int:
