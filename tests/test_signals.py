@@ -70,3 +70,23 @@ def test_the_tpu_launchers_code_path_exits_non_zero_on_a_user_error(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_signal_repeated_at_once_is_one_request_and_a_later_one_stops_at_once(monkeypatch):
+    """Inside the loop the first signal asks for a checkpoint. The same signal again within SAME_REQUEST_S is that
+    request delivered twice (Slurm's scancel signals every process of the step, then torchrun's agent signals its
+    workers again: tests/test_slurm.py); one after it is a second request, and stops at once."""
+    import signal
+    import time
+
+    from framework.signals import Interrupted, Signals
+
+    monkeypatch.setattr(Signals, "SAME_REQUEST_S", 0.5)
+    with Signals() as signals, signals.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.name == "SIGTERM"
+        time.sleep(0.6)
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode boundary; it raises before this ends
