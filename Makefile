@@ -11,7 +11,7 @@ LAUNCH ?= $(BIN)/accelerate launch --quiet --num_processes 1 --num_machines 1 --
 RUNS ?= runs
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
-	test-xla-all test-slow-small test-slow-llm
+	test-xla-all test-slow-small test-slow-llm slurm
 
 install: $(VENV)/.installed assets/.ready
 
@@ -61,13 +61,13 @@ test-xla-all: test-xla
 	@$(MAKE) --no-print-directory test-slow-xla
 	@$(MAKE) --no-print-directory test-slow-small
 
-test-slow-small: install
+test-slow-small: install slurm
 	$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests
 
 test-slow-llm: install
 	$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests
 
-test-slow-cpu: install
+test-slow-cpu: install slurm
 	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
 
 test-slow-xla: install-xla
@@ -76,6 +76,14 @@ ifeq ($(XLA_PLATFORM),yes)
 else
 	@echo "test-slow-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
+
+# Debian's Slurm for tests/test_slurm.py (its fixture starts a controller and two node daemons on this host and
+# stops them): installed once, as root or through sudo.
+slurm:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends slurmd slurmctld slurm-client >/dev/null; }
 
 # The bad-input fuzzing harness (tests/test_fuzz_inputs.py) with a larger budget than make test's: FUZZ_EXAMPLES
 # random cases per test (make test runs a fixed, derandomized few hundred). About 0.1 s a recipe case, 0.5 s a
