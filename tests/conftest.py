@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runner, documents, lm_args, pairs, review_conversations,
-                     synthetic_rows, toy_task_registered, write_csv, write_jsonl)
+from helpers import (LAUNCHERS_RUN, NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runner, documents, free_port, lm_args, pairs,
+                     review_conversations, synthetic_rows, tiny_args, toy_task_registered, write_csv, write_jsonl)
 from in_process import run_main
 
 
@@ -99,3 +99,13 @@ def cli(hf_home):
 def cli_module(hf_home):
     """``cli_runner`` for a module's shared runs (module-scoped fixtures)."""
     return cli_runner(hf_home)
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory, tiny_model, easy_data, hf_home) -> Path:
+    """LAUNCHERS_RUN under `accelerate launch` with 2 processes on this machine, uninterrupted: what the launcher
+    tests' runs (2 machines, Slurm jobs) must end with."""
+    out = tmp_path_factory.mktemp("two_processes") / "out"
+    cli_runner(hf_home)(tiny_args(tiny_model, easy_data, out, *LAUNCHERS_RUN), launch="cpu_ddp.yaml",
+                        launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
+    return out

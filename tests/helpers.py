@@ -161,6 +161,12 @@ def toy_scores(count: int, seed: int = 5) -> List[dict]:
     return rows
 
 
+# The launcher tests' run (several machines, Slurm): 8 steps of the tiny model, a checkpoint every 4; one thread
+# per process (4 processes share 2 cores here).
+LAUNCHERS_RUN = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.cpu_threads=1",
+                 "train.batch_size=4", "optim.lr=3e-3"]
+
+
 def tiny_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
     """Arguments that train the tiny model on the easy data with the tests' own recipe."""
     return ["--config", str(TINY_RECIPE), f"model.name_or_path={model}", f"data.train_file={data}",

@@ -7,22 +7,19 @@ with elastic restarts (c10d) the job restarts from its last checkpoint and ends 
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import List, Sequence
 
 import pytest
 import torch
 
-from helpers import (KILL_SCRIPT, ROOT, RUN, accelerate, assert_bitwise_equal_models, assert_same_weights,
-                     environment, finish, free_port, machines, run_ok, tiny_args, train_losses)
+from helpers import (KILL_SCRIPT, LAUNCHERS_RUN, assert_bitwise_equal_models, assert_same_weights,
+                     finish, free_port, machines, run_ok, tiny_args, train_losses)
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
 
-# 8 steps of the tiny model, a checkpoint every 4; one thread per process (4 processes share 2 cores here).
-COMMON = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.cpu_threads=1",
-          "train.batch_size=4", "optim.lr=3e-3"]
+COMMON = LAUNCHERS_RUN  # two_process_run (conftest.py) is this run on one machine of 2 processes
 # Each launcher's workers report a dead peer within seconds (its connection resets); the bound asserted.
 DEAD_PEER_BOUND_S = 60
 
@@ -35,18 +32,6 @@ def kill_marker(path: Path) -> tuple:
 
 def one_machine(cli, args: Sequence[str], processes: int) -> None:
     cli(args, launch="cpu_ddp.yaml", launch_args=["--num_processes", str(processes)])
-
-
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, tiny_model, easy_data, hf_home):
-    """One machine, 2 processes, uninterrupted: what the 2-machine runs must end with."""
-    out = tmp_path_factory.mktemp("one_machine") / "out"
-    env = environment(hf_home)
-    cmd = [accelerate(), "launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(RUN),
-           *tiny_args(tiny_model, easy_data, out, *COMMON)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
 
 
 def test_two_machines_of_one_process_train_what_one_machine_of_two_does(two_process_run, tiny_model, easy_data,

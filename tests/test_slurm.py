@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, assert_bitwise_equal_models, environment, free_port, read_metrics, tiny_args, train_losses
+from helpers import (LAUNCHERS_RUN, ROOT, assert_bitwise_equal_models, environment, free_port, read_metrics, tiny_args,
+                     train_losses)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
 
 SBATCH = ROOT / "launch" / "slurm.sbatch"
-COMMON = ["train.max_steps=8", "train.log_every=2", "checkpoint.every_steps=4", "train.cpu_threads=1",
-          "train.batch_size=4", "optim.lr=3e-3"]
 NODES = ("n1", "n2")
 
 
@@ -132,29 +131,17 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def launched_run(tmp_path_factory, tiny_model, easy_data, hf_home):
-    """The same run under `accelerate launch` with 2 processes on this machine."""
-    out = tmp_path_factory.mktemp("launched") / "out"
-    cmd = [sys.prefix + "/bin/accelerate", "launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(ROOT / "recipes" / "run.py"),
-           *tiny_args(tiny_model, easy_data, out, *COMMON)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=environment(hf_home), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
 @pytest.mark.parametrize("nodes, per_node", [(1, 2), (2, 1)])
-def test_a_slurm_job_trains_what_accelerate_launch_does(nodes, per_node, slurm, launched_run, tiny_model, easy_data,
+def test_a_slurm_job_trains_what_accelerate_launch_does(nodes, per_node, slurm, two_process_run, tiny_model, easy_data,
                                                         hf_home, tmp_path):
     out = tmp_path / "out"
-    job = slurm.submit(nodes, per_node, tiny_args(tiny_model, easy_data, out, *COMMON), environment(hf_home))
+    job = slurm.submit(nodes, per_node, tiny_args(tiny_model, easy_data, out, *LAUNCHERS_RUN), environment(hf_home))
     state, status, said = slurm.wait(job)
     assert (state, status) == ("COMPLETED", 0), said[-4000:]
     assert f"slurm job {job}: {nodes} node(s)" in said and "num_processes: 2" in said
     assert json.loads((out / "summary.json").read_text())["num_processes"] == 2
-    assert_bitwise_equal_models(launched_run, out)
-    assert train_losses(out) == train_losses(launched_run)
+    assert_bitwise_equal_models(two_process_run, out)
+    assert train_losses(out) == train_losses(two_process_run)
 
 
 def test_a_job_stopped_by_scancel_term_is_resumed_by_the_same_job_submitted_again(slurm, tiny_model, easy_data,
