@@ -86,7 +86,7 @@ def test_every_make_target_named_exists():
 
 
 def test_every_recipe_and_launch_config_named_exists():
-    paths = named(r"\b((?:recipes|accelerate_configs|tests|benchmarks|tools|framework)/[\w./-]*\w)")
+    paths = named(r"\b((?:recipes|accelerate_configs|launch|tests|benchmarks|tools|framework)/[\w./-]*\w)")
     assert len(paths) > 50
     missing = [(page, p) for page, p in paths if not (ROOT / p).exists() and "*" not in p]
     assert not missing, missing
