@@ -11,7 +11,7 @@ LAUNCH ?= $(BIN)/accelerate launch --quiet --num_processes 1 --num_machines 1 --
 RUNS ?= runs
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
-	test-xla-all test-slow-small test-slow-llm slurm
+	test-xla-all test-slow-small test-slow-llm slurm ray
 
 install: $(VENV)/.installed assets/.ready
 
@@ -61,13 +61,13 @@ test-xla-all: test-xla
 	@$(MAKE) --no-print-directory test-slow-xla
 	@$(MAKE) --no-print-directory test-slow-small
 
-test-slow-small: install slurm
+test-slow-small: install slurm ray
 	$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests
 
 test-slow-llm: install
 	$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests
 
-test-slow-cpu: install slurm
+test-slow-cpu: install slurm ray
 	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
 
 test-slow-xla: install-xla
@@ -84,6 +84,13 @@ slurm:
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 			--no-install-recommends slurmd slurmctld slurm-client >/dev/null; }
+
+# Ray Train (the extra .[ray], about 250 MB) for tests/test_ray.py: the Ray launcher on a local cluster.
+ray: $(VENV)/.ray
+
+$(VENV)/.ray: $(VENV)/.installed
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,ray]'
+	touch $@
 
 # The bad-input fuzzing harness (tests/test_fuzz_inputs.py) with a larger budget than make test's: FUZZ_EXAMPLES
 # random cases per test (make test runs a fixed, derandomized few hundred). About 0.1 s a recipe case, 0.5 s a

@@ -7,14 +7,17 @@ with elastic restarts (c10d) the job restarts from its last checkpoint and ends 
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 import torch
 
-from helpers import (KILL_SCRIPT, LAUNCHERS_RUN, assert_bitwise_equal_models, assert_same_weights,
-                     finish, free_port, machines, run_ok, tiny_args, train_losses)
+from helpers import (KILL_SCRIPT, LAUNCHERS_RUN, ROOT, RUN, assert_bitwise_equal_models, assert_same_weights,
+                     environment, finish, free_port, machines, run_ok, tiny_args, train_losses)
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
@@ -128,5 +131,51 @@ def test_elastic_restarts_resume_from_the_last_checkpoint_to_the_uninterrupted_w
     assert marker.exists()  # the kill happened
     said = "".join(outputs)
     assert f"resuming from {out / 'checkpoints' / 'step_4'}: step 4" in said, said[-4000:]
+    assert_bitwise_equal_models(two_process_run, out)
+    assert train_losses(out) == train_losses(two_process_run)
+
+
+def torchrun_node(rank: int, args: Sequence[str], hf_home: Path, port: int, script: Path = RUN,
+                  env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """One "node" of plain torchrun's elastic form (c10d rendezvous at 127.0.0.1:port, 2 nodes of 1 process, 2
+    restarts); node 0 hosts the rendezvous store."""
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic-test",
+           "--max_restarts", "2", *(("--rdzv_conf", "is_host=false") if rank else ()), str(script), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=environment(hf_home, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {})),
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_plain_torchrun_elastic_survives_a_node_killed_and_started_again(two_process_run, tiny_model, easy_data,
+                                                                          hf_home, tmp_path):
+    """torchrun --rdzv_backend c10d --max_restarts 2, 2 nodes of 1 process: node 1 (its agent and its worker) is
+    SIGKILLed at step 6, after the step-4 checkpoint, and the same command started again as node 1. Node 0's worker
+    fails on the dead peer, its agent restarts it into a new rendezvous round that the new node 1 joins, both resume
+    from step 4 and end bitwise where the uninterrupted 2-process run ends."""
+    marker, out = tmp_path / "frozen", tmp_path / "elastic"
+    args = tiny_args(tiny_model, easy_data, out, *COMMON)
+    port = free_port()
+    node0 = torchrun_node(0, args, hf_home, port)
+    # Node 1's worker freezes itself at micro-batch 6 (leaving its pid in the marker), so the node is killed at a
+    # known step: its agent's whole process group, as a machine that dies.
+    node1 = torchrun_node(1, args, hf_home, port, script=KILL_SCRIPT,
+                          env={"KILL_AT_MICRO": "6", "KILL_SIGNAL": "SIGSTOP", "KILL_ONCE": str(marker)})
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert node0.poll() is None and node1.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait()
+        restarted = torchrun_node(1, args, hf_home, port)
+        (status0, said0, _), (status1, said1, _) = finish([node0, restarted])
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert (status0, status1) == (0, 0), (said0[-3000:], said1[-3000:])
+    assert f"resuming from {out / 'checkpoints' / 'step_4'}: step 4" in said0, said0[-4000:]
     assert_bitwise_equal_models(two_process_run, out)
     assert train_losses(out) == train_losses(two_process_run)
