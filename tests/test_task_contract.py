@@ -1,6 +1,6 @@
 """What every task promises, checked for each on its tiny recipe: 1 process = 2 processes (gloo) = gradient
 accumulation (the same examples in each optimizer step) within the task's stated tolerances; 2 processes under each
-sharding strategy (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3) train what 1 process does too, or are refused by key (the task x
+sharding strategy (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, tensor parallelism) train what 1 process does too, or are refused by key (the task x
 strategy matrix); a run killed
 mid-training resumes to bitwise the uninterrupted run's weights and logged losses; a bad row is refused with
 exit 2 and a message naming its column; ``--dry-run`` exits 0 after printing the plan.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
+from helpers import (ROOT, assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
                      documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics, review_conversations,
                      sft_args, summary, synthetic_rows, task_names, tiny_args, write_jsonl)
 from in_process import run_captured, train_ok
@@ -107,11 +107,24 @@ CONTRACTS = {
 # tests/test_deepspeed.py go deeper into each (resume, memory, the contracts with accelerate and DeepSpeed).
 STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
               "zero2": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=2"]),
-              "zero3": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"])}
+              "zero3": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]),
+              "tp": ("cpu_ddp.yaml", ["distributed.tensor_parallel=2"])}
+# Tensor parallelism needs a model with a plan in transformers: the tasks whose tiny model is a GPT-2 built from its
+# config take tests/tiny_llama.yaml's Llama instead (untied head), in the TP run and in its 1-process reference,
+# with the whole batch (both processes of the tp dimension see the same batches). The MiniLM classifier and the
+# masked LM's BERT have no plan: refused by key.
+LLAMA = ["model.config.model_type=llama", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+         "model.config.num_key_value_heads=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+         "model.config.max_position_embeddings=64", "model.config.tie_word_embeddings=false"]
+TP_LLAMA = ("causal_lm", "sft", "dpo", "grpo")
 # The cells refused by key, and the message's start.
-REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in STRATEGIES},
-           **{("grpo", s): "task: grpo does not run under FSDP or DeepSpeed yet" for s in STRATEGIES},
-           ("masked_lm", "fsdp2"): "task: masked_lm does not run under FSDP2 yet"}
+SHARDING = ("fsdp2", "zero2", "zero3")
+REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in SHARDING},
+           **{("grpo", s): "task: grpo does not run under FSDP or DeepSpeed yet" for s in SHARDING},
+           ("masked_lm", "fsdp2"): "task: masked_lm does not run under FSDP2 yet",
+           **{(t, "tp"): "distributed.tensor_parallel: Bert" for t in ("text_classification", "masked_lm")},
+           ("dpo", "tp"): "dpo.loss: sigmoid's reference model is not built under tensor parallelism yet",
+           ("grpo", "tp"): "task: grpo does not run under tensor parallelism yet"}
 # A sharded strategy sums each gradient in another order than one process (reduce-scatter or bucketed reductions):
 # tests/test_fsdp.py's bounds, for weights and the logged losses.
 SHARDED_WEIGHTS, SHARDED_LOSSES = (1e-4, 2e-5), 1e-5
@@ -140,6 +153,12 @@ class Runs:
         """1 process, the whole batch."""
         train_ok(self.equivalence("one", f"train.batch_size={self.spec['batch']}"), self.hf_home)
         return self.tmp / "one"
+
+    @cached_property
+    def one_llama(self) -> Path:
+        """1 process, the whole batch, the tiny Llama (tensor parallelism's reference)."""
+        train_ok(self.equivalence("one_llama", f"train.batch_size={self.spec['batch']}", *LLAMA), self.hf_home)
+        return self.tmp / "one_llama"
 
     @cached_property
     def accumulation(self) -> Path:
@@ -234,8 +253,11 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
     from helpers import free_port
 
     launch, keys = STRATEGIES[strategy]
-    out = runs.tmp / strategy
-    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, f"train.batch_size={runs.spec['batch'] // 2}", *keys),
+    out, one, batch = runs.tmp / strategy, runs.one, runs.spec["batch"] // 2
+    if strategy == "tp":
+        batch, keys = runs.spec["batch"], keys + (LLAMA if runs.task in TP_LLAMA else [])
+        one = runs.one_llama if runs.task in TP_LLAMA else None
+    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, f"train.batch_size={batch}", *keys),
                                     launch=launch, check=False,
                                     launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
     refused = REFUSED.get((runs.task, strategy))
@@ -245,9 +267,36 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
         assert not (out / "summary.json").exists()
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert summary(out)["num_processes"] == 2 and summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed"))
+    assert summary(out)["num_processes"] == 2
+    assert summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed", "tensor parallel"))
     spec = dict(runs.spec, weights=runs.spec["weights"] and SHARDED_WEIGHTS, losses=SHARDED_LOSSES)
-    assert_equivalent(spec, out, runs.one)
+    assert_equivalent(spec, out, one)
+
+
+# README.md's "What runs where" columns each strategy of the matrix fills.
+README_COLUMNS = {"FSDP2 / HSDP": ("fsdp2",), "TP": ("tp",), "DeepSpeed": ("zero2", "zero3")}
+
+
+def test_the_readme_table_says_what_the_matrix_shows():
+    """Each task's cell under FSDP2, TP and DeepSpeed: "refused: `KEY`" naming the key of the matrix's refusal, or
+    "tested: ... `test_task_contract.py`" where the matrix trains it."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| ")]
+    header = next(line for line in lines if line.startswith("| task | CPU, 1 process |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {cells[0].strip("`"): cells for line in lines
+            if (cells := [c.strip() for c in line.strip("|").split("|")]) and len(cells) == len(columns)
+            and "tested: `test_task_contract.py`" in line}
+    assert sorted(rows) == sorted(task_names())
+    for task, cells in rows.items():
+        for column, strategies in README_COLUMNS.items():
+            cell = cells[columns.index(column)]
+            refused = [s for s in strategies if (task, s) in REFUSED]
+            refusals = {REFUSED[(task, s)].split(":")[0] for s in refused}
+            assert len(refusals) <= 1 and len(refused) in (0, len(strategies)), (task, column)  # one cell says it
+            if refusals:
+                assert cell.startswith(f"refused: `{refusals.pop()}`"), (task, column, cell)
+            else:
+                assert cell.startswith("tested: ") and "`test_task_contract.py`" in cell, (task, column, cell)
 
 
 @tasks("resume")

@@ -190,6 +190,10 @@ class DPO(CausalLM):
             raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under FSDP or DeepSpeed "
                             "yet (its weights load on the first process only); use distributed.strategy=ddp, or "
                             "dpo.loss=simpo (no reference)")
+        if backend.is_tensor_parallel(accelerator) and cfg.dpo.loss != "simpo":
+            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under tensor parallelism yet "
+                            "(the losses there did not follow one process's); remove "
+                            "distributed.tensor_parallel, or use dpo.loss=simpo (no reference)")
         needed = cfg.dpo.loss != "simpo" and not cfg.dpo.precompute_reference
         reference = reference_model(model, accelerator) if needed else None
         task = super().for_run(model, accelerator, cfg)  # the run's loss settings, decided where every LM's are

@@ -283,6 +283,10 @@ class GRPO(CausalLM):
         if backend.shards_parameters(accelerator):
             raise UserError("task: grpo does not run under FSDP or DeepSpeed yet (generation and the reference need "
                             "the whole model); use distributed.strategy=ddp")
+        if backend.is_tensor_parallel(accelerator):
+            raise UserError("task: grpo does not run under tensor parallelism yet (its step-wide reward statistics "
+                            "and loss scale count every process as a data-parallel replica); remove "
+                            "distributed.tensor_parallel")
         for module in model.modules():  # TRL's disable_dropout: one function for sampling, reference and training
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
