@@ -1,11 +1,15 @@
 """launch/ray_train.py on a real local Ray cluster (Ray Train's TorchTrainer, 2 CPU workers over gloo; `pip install
 '.[ray]'`, which make test-slow installs): it trains bitwise what `accelerate launch` (torchrun) with 2 processes
-trains, and its checkpoints are the framework's own, so a run killed under accelerate launch resumes under Ray. A bad
-recipe is refused before Ray starts."""
+trains, and its checkpoints are the framework's own, so a run killed under accelerate launch resumes under Ray; with
+--max_failures a dead worker restarts the group, which resumes. A bad recipe or flag is refused before Ray starts."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +69,33 @@ def test_a_bad_recipe_or_flag_is_refused_before_ray_starts(argv, message, hf_hom
     proc = ray_run(argv, hf_home, tmp_path / "ray")
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: ") and not (tmp_path / "ray").exists()
+
+
+@pytest.mark.slow
+def test_a_dead_worker_restarts_the_group_which_resumes_from_the_last_checkpoint(tiny_model, easy_data, hf_home,
+                                                                                  tmp_path):
+    """--max_failures 1: a worker SIGKILLed after the first checkpoint makes Ray start the worker group again, whose
+    workers run the same command: it resumes from the newest checkpoint and finishes."""
+    out, steps = tmp_path / "out", 300
+    args = tiny_args(tiny_model, easy_data, out, f"train.max_steps={steps}", "train.log_every=1",
+                     "checkpoint.every_steps=10", "train.cpu_threads=1", "train.batch_size=4")
+    cmd = [sys.executable, str(RAY_TRAIN), "--num_workers", "2", "--storage_path", str(tmp_path / "ray"),
+           "--max_failures", "1", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=environment(hf_home, RAY_DEDUP_LOGS="0"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "step_10").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.1)
+        workers = subprocess.run(["pgrep", "-f", "RayTrainWorker"], capture_output=True, text=True).stdout.split()
+        assert workers, "no Ray Train worker process found"
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        said, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, said[-4000:]
+    resumed = re.findall(r"resuming from \S+/step_(\d+): step", said)
+    assert resumed and 10 <= int(resumed[0]) < steps, said[-4000:]
+    assert json.loads((out / "summary.json").read_text())["train"]["steps"] == steps
