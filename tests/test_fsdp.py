@@ -3,8 +3,8 @@
 holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
 (torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
 pipeline(); a checkpoint refuses another process count by name. Tensor parallelism (accelerate's ParallelismConfig
-tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama; so does QLoRA under FSDP2 what DDP
-does.
+tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama; so do FSDP2 with activation
+checkpointing on that Llama (tied, as SmolLM2) and, what DDP does, QLoRA under FSDP2.
 
 The tiny GPT-2 of tests/tiny_lm.yaml: its blocks are what FSDP wraps (transformer_based_wrap), its embedding
 is tied to the output layer."""
@@ -424,6 +424,27 @@ def test_tensor_parallel_shards_an_untied_head_of_its_own(cli_module, corpus, wo
                launch_args=launch())
     assert_trains_alike(tp, one)
     assert "lm_head.weight" in weights(tp)
+
+
+def test_fsdp2_with_activation_checkpointing_on_the_tied_llama_trains_what_one_process_does(
+        cli_module, corpus, word_tokenizer, llama_one_process, tmp_path):
+    """SmolLM2's shape under FSDP2 (the Llama's decoder layers wrapped, the output layer tied to the sharded
+    embedding) with each layer recomputed in backward (train.gradient_checkpointing, the plugin's activation
+    checkpointing): 2 processes of half the batch train what one process with the whole batch does, to the
+    tolerances above; model/ holds the tied matrix once and pipeline() loads it."""
+    from transformers import pipeline
+
+    out = tmp_path / "fsdp"
+    proc = cli_module(llama_args(word_tokenizer, corpus, out, "distributed.strategy=fsdp", "train.batch_size=2",
+                                 "train.gradient_checkpointing=true"), launch="fsdp.yaml", launch_args=launch())
+    assert "strategy: fsdp (version 2)" in proc.stdout and "effective_batch: 4" in proc.stdout
+    assert summary(out)["memory_plan"]["gradient_checkpointing"] is True
+    assert len(losses_by_step(out)) == 12
+    assert_trains_alike(out, llama_one_process)
+    assert "lm_head.weight" not in weights(out)
+    text = pipeline("text-generation", model=str(out / "model"), device="cpu")("the cat", max_new_tokens=3,
+                                                                                do_sample=False)[0]["generated_text"]
+    assert text.startswith("the cat")
 
 
 @pytest.mark.slow
