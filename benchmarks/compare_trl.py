@@ -1,11 +1,12 @@
-"""Post-training: the framework against TRL (SFTTrainer, DPOTrainer), the same jobs side by side in one run.
+"""Post-training: the framework against TRL (SFTTrainer, DPOTrainer, GRPOTrainer), the same jobs side by side in
+one run.
 
-    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora] [--steps 10] [--rounds 3]
+    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora,grpo_lora] [--steps 10] [--rounds 3]
         [--skip-steps 2] [--train-rows 480] [--eval-rows 100] [--threads N]
         [--gradient-checkpointing defaults|off|on] [--fixed-seed] [--no-warmup] [--set KEY=VALUE ...]
         [--json results.json]
 
-Three jobs on SmolLM2-135M-Instruct (``assets/SmolLM2-135M-Instruct``: Llama, tied embeddings, ChatML template),
+Four jobs on SmolLM2-135M-Instruct (``assets/SmolLM2-135M-Instruct``: Llama, tied embeddings, ChatML template),
 fp32 on the CPU, each run for ``--steps`` optimizer steps (default 10) by two sides, each in its own process:
 
 - framework: the real CLI, ``python recipes/run.py --config RECIPE train.max_steps=N output_dir=DIR ...``;
@@ -21,6 +22,13 @@ The jobs:
 - ``sft_full``: the same, full fine-tuning: ``peft=null optim.lr=3e-5`` (TRL: no ``peft_config``);
 - ``dpo_lora``: ``recipes/dpo.yaml``: sigmoid loss, beta 0.1, LoRA as above (the reference is the model with
   its adapters off on both sides), lr 5e-4, batch 8, max_length 128.
+- ``grpo_lora``: ``recipes/grpo.yaml``: 2 prompts a step, 8 completions each of at most 16 tokens at temperature
+  1, the dapo loss, beta 0, LoRA as above, lr 3e-4; the rewards ``numeric`` + 0.5 ``regex`` (the framework's
+  functions, TRL's signature, given to ``GRPOTrainer`` as they are). TRL counts completions where the framework
+  counts prompts (``per_device_train_batch_size`` 16). The rows are ``assets/sums.jsonl``'s. Quality is read
+  from the rewards, not the loss (about 0 with one update per generation): the mean over the steps of each
+  step's reward, and each side's own eval reward (the framework: one greedy answer per eval prompt; TRL: its
+  ``num_generations`` samples of each). Tokens: the prompt and completion tokens of the update.
 
 Same data: the SmolLM2 template has no ``{% generation %}`` markers, so TRL's ``assistant_only_loss`` cannot be
 used; both SFT sides instead train on prompt/completion conversations (TRL's default for such rows: loss on the
@@ -95,11 +103,12 @@ import tempfile
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import ClassVar, Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PAIRS = ROOT / "assets" / "rotten_tomatoes_pairs.jsonl"
+SUMS = ROOT / "assets" / "sums.jsonl"
 FAR = 10 ** 9  # a step count beyond any run: eval.every_steps that never comes
 DEFAULT_CHECKPOINTING = "--trl-default-checkpointing"  # the TRL side keeps TRL's gradient checkpointing default
 
@@ -125,8 +134,8 @@ def trl_side(argv: List[str]) -> None:
         sys.exit("the TRL side trains SFT on prompt/completion rows: sft.train_on=completion")
     if cfg.task == "dpo" and cfg.dpo.loss not in ("sigmoid", "ipo"):
         sys.exit("DPOTrainer has the sigmoid and ipo losses (simpo is CPOTrainer's)")
-    if cfg.task not in ("sft", "dpo"):
-        sys.exit("compare_trl.py runs the sft and dpo tasks")
+    if cfg.task not in ("sft", "dpo", "grpo"):
+        sys.exit("compare_trl.py runs the sft, dpo and grpo tasks")
 
     import torch
 
@@ -151,7 +160,9 @@ def trl_side(argv: List[str]) -> None:
     peft_config = None if p is None else LoraConfig(
         r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
         modules_to_save=p.modules_to_save or None, task_type="CAUSAL_LM")
-    if cfg.task == "sft":
+    if cfg.task == "grpo":
+        trainer = grpo_trainer(cfg, settings, data, peft_config)
+    elif cfg.task == "sft":
         # data.packing null means packed; data.block_size null, the model's positions up to 1024 (here 1024).
         args = trl.SFTConfig(**settings, max_length=cfg.data.block_size or 1024,
                              packing=cfg.data.packing is not False)
@@ -175,22 +186,59 @@ def trl_side(argv: List[str]) -> None:
         pending.append(mask.sum() if mask is not None else inputs["input_ids"].numel())
         return training_step(model, inputs, *rest, **kwargs)
 
+    compute_loss = trainer.compute_loss
+
+    def counting_loss(model, inputs, *rest, **kwargs):
+        """GRPO: training_step gets the prompts; the rollouts it generated reach compute_loss."""
+        if model.training:
+            pending.append(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+        return compute_loss(model, inputs, *rest, **kwargs)
+
     class StepTokens(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             per_step.append(sum(pending))
             pending.clear()
 
-    trainer.training_step = counting_step
+    if cfg.task == "grpo":
+        trainer.compute_loss = counting_loss
+    else:
+        trainer.training_step = counting_step
     trainer.add_callback(StepTokens())
     trained = trainer.train()
     evaluation = trainer.evaluate()
     print(f"eval {evaluation}", flush=True)
     trainer.save_model(str(Path(cfg.output_dir) / "model"))
     summary = {"train": {"steps": trained.global_step, "wall_seconds": trained.metrics["train_runtime"],
-                         "gradient_checkpointing": bool(args.gradient_checkpointing)},
+                         "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)},
                "eval": {k.removeprefix("eval_"): v for k, v in evaluation.items()},
-               "tokens_per_step": [int(n) for n in per_step]}
+               "tokens_per_step": [int(n) for n in per_step],
+               "rewards": [e["reward"] for e in trainer.state.log_history if "reward" in e and "loss" in e]}
     (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def grpo_trainer(cfg, settings: dict, data, peft_config):
+    """``trl.GRPOTrainer`` on the recipe's sampling, loss and rewards: the framework's reward functions are
+    TRL's signature (framework/rewards.py), given to TRL as they are. TRL counts completions where the
+    framework counts prompts: its batch is the framework's times ``num_generations``, so each step samples
+    the same number of completions of as many prompts; its eval samples ``num_generations`` of each eval
+    prompt (the framework's greedy one), its own design."""
+    import trl
+
+    from framework import rewards
+
+    g, group = cfg.grpo, cfg.grpo.num_generations
+    functions = rewards.load(g.reward_functions, g.answer_column, g.regex)
+    settings.update(per_device_train_batch_size=cfg.train.batch_size * group,
+                    per_device_eval_batch_size=cfg.train.batch_size * group,
+                    logging_steps=1)  # the reward of every step, as the framework's train.log_every=1
+    args = trl.GRPOConfig(**settings, num_generations=group, max_completion_length=g.max_completion_length,
+                          temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, loss_type=g.loss,
+                          epsilon=g.epsilon, epsilon_high=g.epsilon_high, num_iterations=g.iterations,
+                          beta=g.beta, scale_rewards=g.scale_rewards,
+                          mask_truncated_completions=g.mask_truncated_completions,
+                          reward_weights=list(g.reward_weights) if g.reward_weights else None)
+    return trl.GRPOTrainer(model=cfg.model.name_or_path, reward_funcs=[f.function for f in functions], args=args,
+                           train_dataset=data["train"], eval_dataset=data["eval"], peft_config=peft_config)
 
 
 # ---------------------------------------------------------------- the parent
@@ -218,13 +266,30 @@ class Job:
     skip: int  # the first steps, left out of steady tokens/s
     threads: int
     checkpointing: str  # --gradient-checkpointing
+    kind: str = "sft"  # sft, dpo or grpo: the data, and what the job's quality is read from
     overrides: List[str] = field(default_factory=list)  # --set, for both sides
     seed: int = 42  # the seed of the runs about to start (set per round)
     loops: Dict[str, List[str]] = field(default_factory=dict)
 
-    METRICS: ClassVar[List[str]] = ["total_wall_s", "time_to_first_step_s", "steady_tokens_per_s",
-                                    "tokens_per_step", "peak_rss_mib", "train_loss", "eval_loss"]
     RATIOS: ClassVar[List[str]] = ["total_wall_s", "steady_tokens_per_s", "peak_rss_mib"]
+    # What each job's quality is read from, per side: the last step's loss and the eval loss; GRPO's loss is no
+    # measure of learning (with one update per generation, its value is about 0), its rewards are.
+    QUALITY: ClassVar[Dict[str, List[Tuple[str, str]]]] = {
+        "loss": [("train_loss", "final train loss"), ("eval_loss", "eval loss")],
+        "reward": [("train_reward", "train reward (mean over steps)"),
+                   ("eval_reward", "eval reward (framework greedy, TRL sampled)")]}
+    # Quality figures that are not like for like, reported but not judged: the framework's GRPO eval decodes
+    # greedily, TRL's samples num_generations completions at the training temperature.
+    UNMATCHED: ClassVar[List[str]] = ["eval_reward"]
+
+    @property
+    def quality(self) -> List[Tuple[str, str]]:
+        return self.QUALITY["reward" if self.kind == "grpo" else "loss"]
+
+    @property
+    def metrics(self) -> List[str]:
+        return ["total_wall_s", "time_to_first_step_s", "steady_tokens_per_s", "tokens_per_step", "peak_rss_mib",
+                *(key for key, _ in self.quality)]
 
     def __post_init__(self):
         self.loops = {"framework": [sys.executable, str(RUN)],
@@ -260,13 +325,20 @@ class Job:
         summary = json.loads((done.output_dir / "summary.json").read_text())
         result = {"side": loop, "seed": self.seed}
         if loop == "framework":
-            tokens = self.logged_tokens(done.output_dir / "metrics.jsonl", summary["plan"]["effective_batch"])
+            records = [json.loads(line) for line in (done.output_dir / "metrics.jsonl").read_text().splitlines()]
+            tokens = self.logged_tokens(records, summary["plan"]["effective_batch"])
             result["logged_train_loss"] = summary["train"]["loss"]  # the last step's, with train.log_every=1
             resolved = load_config(done.output_dir / "config.yaml", [])  # the recipe the run resolved
             result["gradient_checkpointing"] = resolved.train.gradient_checkpointing
+            rewards = [r["reward"] for r in records if "reward" in r and "step" in r and "eval_reward" not in r]
         else:
             tokens = summary["tokens_per_step"]
             result["gradient_checkpointing"] = summary["train"]["gradient_checkpointing"]
+            rewards = summary["rewards"]
+        if self.kind == "grpo":
+            if len(rewards) != steps:
+                sys.exit(f"{self.name}, {loop}: rewards for {len(rewards)} steps instead of {steps}")
+            result.update(train_reward=statistics.mean(rewards), eval_reward=summary["eval"]["reward"])
         if len(tokens) != steps:
             sys.exit(f"{self.name}, {loop}: token counts for {len(tokens)} steps instead of {steps}")
         steady = None
@@ -281,16 +353,15 @@ class Job:
                 "peak_rss_mib": done.peak_rss_bytes / MIB,
                 "train_loss": probe["last_loss"],
                 "first_train_loss": probe["first_loss"],
-                "eval_loss": summary["eval"]["loss"],
+                "eval_loss": summary["eval"].get("loss"),
                 "eval": summary["eval"],
                 "optimizer": probe["optimizer"],
                 "threads": probe["threads"]}
 
     @staticmethod
-    def logged_tokens(metrics: Path, batch: int) -> List[int]:
+    def logged_tokens(records: List[Dict], batch: int) -> List[int]:
         """The framework's tokens per step from its log (one record per step): tokens/s x the step's seconds,
         which its samples/s gives (batch samples a step)."""
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
         return [round(r["tokens_per_second"] * batch / r["samples_per_second"])
                 for r in records if "tokens_per_second" in r]
 
@@ -298,7 +369,7 @@ class Job:
         """Per side, each metric's median, min and max over the rounds; framework / TRL, the median, min and max
         of the rounds' ratios (the two runs of a round are back to back)."""
         sides = {side: [r for r in runs if r["side"] == side] for side in self.loops}
-        stats = {side: {m: spread([r[m] for r in rs]) for m in self.METRICS} for side, rs in sides.items()}
+        stats = {side: {m: spread([r[m] for r in rs]) for m in self.metrics} for side, rs in sides.items()}
         ratios = {m: spread([None if f[m] is None or t[m] is None else f[m] / t[m]
                              for f, t in zip(sides["framework"], sides["TRL"])]) for m in self.RATIOS}
         optimizers = {side: {json.dumps(r["optimizer"], sort_keys=True) for r in rs} for side, rs in sides.items()}
@@ -323,26 +394,27 @@ class Job:
                  + (" (each side's default)" if self.checkpointing == "defaults" else "") + "."
                  + (f" Overrides on both sides: {' '.join(self.overrides)}." if self.overrides else ""), "",
                  "Median over rounds (min-max):", "",
-                 "| side | total wall (s) | time to first step (s) | steady tokens/s | tokens/step | peak RSS (MiB) "
-                 "| final train loss | eval loss |",
+                 "| side | total wall (s) | time to first step (s) | steady tokens/s | tokens/step | peak RSS (MiB) | "
+                 + " | ".join(name for _, name in self.quality) + " |",
                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         formats = {"total_wall_s": ".1f", "time_to_first_step_s": ".1f", "steady_tokens_per_s": ".0f",
-                   "tokens_per_step": ".0f", "peak_rss_mib": ".0f", "train_loss": ".4f", "eval_loss": ".4f"}
-        lines += [f"| {side} | " + " | ".join(show(s[m], formats[m]) for m in self.METRICS) + " |"
+                   "tokens_per_step": ".0f", "peak_rss_mib": ".0f", **{key: ".4f" for key, _ in self.quality}}
+        lines += [f"| {side} | " + " | ".join(show(s[m], formats[m]) for m in self.metrics) + " |"
                   for side, s in stats.items()]
         lines += ["", "framework / TRL, the median (min-max) of each round's ratio (tokens/s above 1: the framework "
                   "is faster; wall and memory below 1: it is quicker or lighter):", "",
                   "| ratio | total wall | steady tokens/s | peak RSS |", "| --- | ---: | ---: | ---: |",
                   "| framework / TRL | " + " | ".join(show(ratios[m], ".3f") for m in self.RATIOS) + " |", ""]
-        for metric, name in (("train_loss", "final train loss"), ("eval_loss", "eval loss")):
+        for metric, name in self.quality:
             f, t = stats["framework"][metric], stats["TRL"][metric]
             overlap = f["min"] <= t["max"] and t["min"] <= f["max"]
-            judged = ("one round: no spread to judge it by" if rounds == 1 else
+            judged = ("not like for like: not judged" if metric in self.UNMATCHED else
+                      "one round: no spread to judge it by" if rounds == 1 else
                       f"the sides' ranges over the rounds {'overlap' if overlap else 'do NOT overlap'}")
             lines.append(f"{name}: framework - TRL = {f['median'] - t['median']:+.4f} (medians); {judged}.")
         framework_runs = [r for r in runs if r["side"] == "framework"]
-        mismatch = [r for r in framework_runs if abs(r["logged_train_loss"] - r["train_loss"]) > 1e-5 * max(
-            1.0, abs(r["train_loss"]))]
+        mismatch = [r for r in framework_runs if self.kind != "grpo" and abs(
+            r["logged_train_loss"] - r["train_loss"]) > 1e-5 * max(1.0, abs(r["train_loss"]))]
         if mismatch:
             lines.append("WARNING: the framework's logged last-step loss differs from the loss its backward got: "
                          + ", ".join(f"{r['logged_train_loss']:.6f} vs {r['train_loss']:.6f}" for r in mismatch))
@@ -379,20 +451,23 @@ JOBS = {  # name: (title, recipe, overrides that make the job, data kind)
                  ["peft=null", "optim.lr=3e-5", "sft.train_on=completion"], "sft"),
     "sft_lora": ("SFT with LoRA on prompt/completion conversations", "sft.yaml", ["sft.train_on=completion"], "sft"),
     "dpo_lora": ("DPO (sigmoid) with LoRA on preference pairs", "dpo.yaml", [], "dpo"),
+    "grpo_lora": ("GRPO with LoRA on two-number sums (numeric and regex rewards)", "grpo.yaml", [], "grpo"),
 }
 
 
 def write_data(folder: Path, train_rows: int, eval_rows: int) -> Dict[str, Dict[str, Path]]:
-    """The rows both sides read: the first ``train_rows`` pairs for training, the next ``eval_rows`` for
-    evaluation; for SFT their prompt and chosen completion as prompt/completion conversations."""
-    with PAIRS.open() as f:
-        rows = [json.loads(line) for _, line in zip(range(train_rows + eval_rows), f)]
-    if len(rows) < train_rows + eval_rows:
-        sys.exit(f"{PAIRS} has {len(rows)} rows, fewer than --train-rows + --eval-rows")
-    files = {}
-    for kind, convert in (("sft", lambda r: {"prompt": r["prompt"], "completion": r["chosen"]}),
-                          ("dpo", lambda r: r)):
-        files[kind] = {}
+    """The rows both sides read: the first ``train_rows`` rows for training, the next ``eval_rows`` for
+    evaluation; for SFT the pairs' prompt and chosen completion as prompt/completion conversations, for GRPO
+    the sums' prompts and answers (``assets/sums.jsonl``)."""
+    files, read = {}, {}
+    for source in (PAIRS, SUMS):
+        with source.open() as f:
+            read[source] = [json.loads(line) for _, line in zip(range(train_rows + eval_rows), f)]
+        if len(read[source]) < train_rows + eval_rows:
+            sys.exit(f"{source} has {len(read[source])} rows, fewer than --train-rows + --eval-rows")
+    for kind, source, convert in (("sft", PAIRS, lambda r: {"prompt": r["prompt"], "completion": r["chosen"]}),
+                                  ("dpo", PAIRS, lambda r: r), ("grpo", SUMS, lambda r: r)):
+        files[kind], rows = {}, read[source]
         for split, part in (("train", rows[:train_rows]), ("eval", rows[train_rows:])):
             path = folder / f"{kind}_{split}.jsonl"
             path.write_text("".join(json.dumps(convert(r)) + "\n" for r in part))
@@ -458,8 +533,8 @@ def main() -> None:
           f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores. Framework {info['framework_revision']}; "
           f"torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}, "
           f"peft {info['peft']}. fp32; {args.train_rows} train rows, {args.eval_rows} eval rows "
-          f"(assets/rotten_tomatoes_pairs.jsonl). Tokens: non-padding tokens put through the model. Peak RSS: "
-          "the child process's. Final train loss: the last step's.", flush=True)
+          "(assets/rotten_tomatoes_pairs.jsonl; grpo_lora: assets/sums.jsonl). Tokens: non-padding tokens put "
+          "through the model. Peak RSS: the child process's. Final train loss: the last step's.", flush=True)
     report = {"date": started, "machine": info, "rounds": args.rounds, "settings": vars(args),
               "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="compare_trl-") as tmp:
@@ -472,7 +547,7 @@ def main() -> None:
             recipe = ROOT / "recipes" / recipe
             base_seed = load_config(recipe, [*job_overrides, *args.overrides]).seed
             job = Job(name, title, recipe, job_overrides, data[kind], args.steps, args.skip_steps, threads,
-                      args.gradient_checkpointing, args.overrides)
+                      args.gradient_checkpointing, kind, args.overrides)
             runs = run_job(bench, job, args.rounds, not args.no_warmup, not args.fixed_seed, base_seed)
             summary = job.summarize(runs)
             report["jobs"][name] = {"recipe": str(recipe.relative_to(ROOT)), "overrides": job_overrides,
