@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO for real on CPU processes (DeepSpeed's CPU accelerator, gloo): accelerate's own DeepSpeed path, set
 up by backend.deepspeed_on_cpu_processes. On 2 processes ZeRO-1 and ZeRO-2 train exactly what DDP does (the same
 losses and weights, bitwise) and ZeRO-3 within fp32 rounding; model/ is the whole model, loadable by pipeline();
-DeepSpeed's own checkpoints resume bitwise after SIGKILL; the launch config's ZeRO stage is the stage that runs.
+DeepSpeed's own checkpoints (ZeRO-2 and ZeRO-3) resume bitwise after SIGKILL; the launch config's ZeRO stage is the
+stage that runs.
 
 The tiny GPT-2 of tests/tiny_lm.yaml, as tests/test_fsdp.py trains it."""
 
@@ -56,10 +57,22 @@ def zero_args(word_tokenizer, corpus, out: Path, stage: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def zero2_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
-    out = tmp_path_factory.mktemp("zero2") / "out"
-    args = zero_args(word_tokenizer, corpus, out, 2)
-    return out, args, cli_module(args, launch="cpu_ddp.yaml", launch_args=launch())
+def zero_runs(tmp_path_factory, corpus, word_tokenizer, cli_module):
+    """zero_runs(stage): that stage's run (output folder, arguments, process), made once for the tests that read it."""
+    made = {}
+
+    def run(stage: int):
+        if stage not in made:
+            out = tmp_path_factory.mktemp(f"zero{stage}") / "out"
+            args = zero_args(word_tokenizer, corpus, out, stage)
+            made[stage] = out, args, cli_module(args, launch="cpu_ddp.yaml", launch_args=launch())
+        return made[stage]
+    return run
+
+
+@pytest.fixture(scope="module")
+def zero2_run(zero_runs):
+    return zero_runs(2)
 
 
 def test_the_deepspeed_contract_the_cpu_switch_relies_on():
@@ -79,13 +92,8 @@ def test_the_deepspeed_contract_the_cpu_switch_relies_on():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_run, zero2_run, cli_module, corpus, word_tokenizer,
-                                                      tmp_path):
-    if stage == 2:
-        out, _, proc = zero2_run
-    else:
-        out = tmp_path / f"zero{stage}"
-        proc = cli_module(zero_args(word_tokenizer, corpus, out, stage), launch="cpu_ddp.yaml", launch_args=launch())
+def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_run, zero_runs):
+    out, _, proc = zero_runs(stage)
     assert f"strategy: deepspeed (ZeRO stage {stage})" in proc.stdout and "num_processes: 2" in proc.stdout
     assert "shm_comm_op built" not in proc.stdout + proc.stderr  # nothing compiled
     a, b = losses_by_step(out), losses_by_step(ddp_run)
@@ -129,10 +137,12 @@ def test_model_is_whole_and_loadable_by_pipeline(zero2_run):
     assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
 
 
-def test_a_zero_checkpoint_resumes_bitwise_after_sigkill(zero2_run, hf_home, tmp_path):
-    """DeepSpeed's own checkpoint (each process's partition of the optimizer state) and the framework's schedule:
-    before prepare_scheduler, a DeepSpeed checkpoint held no scheduler state and a resume restarted the warmup."""
-    out, args, _ = zero2_run
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_resumes_bitwise_after_sigkill(stage, zero_runs, hf_home, tmp_path):
+    """DeepSpeed's own checkpoint (each process's partition of the optimizer state; under ZeRO-3 of the weights
+    too) and the framework's schedule: before prepare_scheduler, a DeepSpeed checkpoint held no scheduler state and
+    a resume restarted the warmup."""
+    out, args, _ = zero_runs(stage)
     step_8 = out / "checkpoints" / "step_8"
     assert {"pytorch_model", "scheduler.bin"} <= {p.name for p in step_8.iterdir()}
     resumed = tmp_path / "resumed"
