@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO for real on CPU processes (DeepSpeed's CPU accelerator, gloo): accelerate's own DeepSpeed path, set
-up by backend.deepspeed_on_cpu_processes. On 2 processes ZeRO-1 and ZeRO-2 train exactly what DDP does (the same
-losses and weights, bitwise) and ZeRO-3 within fp32 rounding; model/ is the whole model, loadable by pipeline();
+up by backend.deepspeed_on_cpu_processes. On 2 processes ZeRO-1, -2 and -3 train what DDP does within fp32
+rounding (the bounds below); model/ is the whole model, loadable by pipeline();
 DeepSpeed's own checkpoints (ZeRO-2 and ZeRO-3) resume bitwise after SIGKILL; the launch config's ZeRO stage is the
 stage that runs.
 
