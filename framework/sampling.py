@@ -89,10 +89,13 @@ def neutral_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
 
 
 def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[int], sampling: Sampling,
-             greedy: bool = False) -> List[List[int]]:
+             greedy: bool = False, synced: bool = False) -> List[List[int]]:
     """One completion per prompt (token ids, through its first stop token if it stopped), row i drawn with the
-    generator seeded ``seeds[i]``; ``greedy``: the most likely tokens instead (evaluation). The model is put in
-    eval mode (no dropout) and left so; call it inside ``backend.generating``, which restores training mode."""
+    generator seeded ``seeds[i]``; ``greedy``: the most likely tokens instead (evaluation). ``synced``: every
+    process runs the model's forward until the last process's rows have stopped (transformers' ``synced_gpus``),
+    for a sharded model whose forward gathers its weights collectively while the processes' prompts differ. The
+    model is put in eval mode (no dropout) and left so; call it inside ``backend.generating``, which restores
+    training mode."""
     device = next(model.parameters()).device
     longest = max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), longest), sampling.pad_id, dtype=torch.long)
@@ -106,7 +109,7 @@ def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[i
     model.eval()
     with torch.no_grad(), neutral_generation_defaults(model):
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             generation_config=config, logits_processor=processors)
+                             generation_config=config, logits_processor=processors, synced_gpus=synced)
     stops = set(sampling.stop_ids)
     completions = []
     for row in out[:, longest:].tolist():

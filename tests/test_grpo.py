@@ -294,15 +294,68 @@ def test_streaming_prompts_are_refused_by_key(hf_home, pair_tokenizer, pair_data
     assert "data.streaming: grpo reads its prompts from memory for now" in proc.stderr
 
 
+def lora_prompts(tmp_path: Path) -> Path:
+    """Prompts of four words from the word corpus (what the ``pretrained_lm`` fixture was trained on)."""
+    import json
+
+    from helpers import documents
+
+    rows = [{"prompt": " ".join(d["text"].split()[:4])} for d in documents(40, seed=5)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def lora_args(model: Path, data: Path, out: Path, *extra: str) -> list:
+    """GRPO with LoRA (r 4) on the pretrained tiny GPT-2, rewarded by the completion's characters, with a KL
+    penalty against the reference (the adapter off)."""
+    return ["--config", str(TINY_GRPO), "model.config=null", f"model.name_or_path={model}", f"data.train_file={data}",
+            f"output_dir={out}", f"grpo.reward_functions=[{GRPO_REWARDS}:characters]", "grpo.beta=0.5",
+            "peft.r=4", "peft.alpha=8", "train.max_steps=3", "optim.lr=5e-2", *extra]
+
+
 @pytest.mark.multiprocess
-def test_fsdp_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
-    """FSDP2 on 2 CPU processes (fsdp.yaml): refused before training with the strategy's key, each process exiting 2."""
-    out = tmp_path / "out"
-    proc = cli(grpo_args(pair_tokenizer, pair_data, out), launch="fsdp.yaml", check=False, timeout=300,
+def test_lora_with_its_reference_under_fsdp2_trains_what_one_process_does(cli, hf_home, pretrained_lm, tmp_path):
+    """FSDP2 on 2 CPU processes (fsdp.yaml), each sampling its own prompt's 2 completions, up to 16 tokens or
+    <eos>: the same completions as one process (the step's rewards and lengths equal), the same KL against the
+    adapter-off reference, the same greedy eval, and the adapter within the sharded strategies' bounds
+    (tests/test_task_contract.py). Each block gathers its weights in its forward, a collective, so the processes
+    generate in lockstep until both have stopped (transformers' ``synced_gpus``): without it this run crashed at
+    step 4 (gloo: "a distributed collective mismatch"), where one process's completions ended before the other's."""
+    from safetensors.torch import load_file
+
+    data = lora_prompts(tmp_path)
+    extra = ["grpo.num_generations=2", "grpo.max_completion_length=16", "train.max_steps=4", "eval.every_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_main(lora_args(pretrained_lm, data, one, "train.batch_size=2", *extra), hf_home) == 0
+    proc = cli(lora_args(pretrained_lm, data, two, "train.batch_size=1", *extra), launch="fsdp.yaml", timeout=300,
                launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
+    assert "strategy: fsdp" in proc.stdout and summary(two)["num_processes"] == 2
+    a, b = ([r for r in read_metrics(out) if "loss" in r] for out in (two, one))
+    for key in ("reward", "completions/mean_length", "completions/min_length", "completions/max_length"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert any(r["completions/min_length"] < r["completions/max_length"] for r in a)  # the rows stop apart
+    torch.testing.assert_close(torch.tensor([r["kl"] for r in a]), torch.tensor([r["kl"] for r in b]),
+                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in a]), torch.tensor([r["loss"] for r in b]),
+                               rtol=1e-5, atol=1e-6)
+    assert summary(two)["eval"] == pytest.approx(summary(one)["eval"], rel=1e-6)  # greedy, on both processes' prompts
+    wa, wb = (load_file(out / "model" / "adapter_model.safetensors") for out in (two, one))
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_copy_reference_under_fsdp_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
+    """grpo.beta > 0 without an adapter needs a frozen copy of the starting weights, which FSDP loads on the first
+    process only: refused before training with grpo.beta's key, each process exiting 2."""
+    out = tmp_path / "out"
+    proc = cli(grpo_args(pair_tokenizer, pair_data, out, "grpo.beta=0.1"), launch="fsdp.yaml", check=False,
+               timeout=300, launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr and errors, proc.stderr[-2000:]
-    assert all("task: grpo does not run under FSDP or DeepSpeed yet" in e and "distributed.strategy=ddp" in e
+    assert all("grpo.beta: the reference model, a frozen copy, is not built under FSDP or DeepSpeed" in e
                for e in errors)
     assert str(ROOT / "framework") not in proc.stderr and not (out / "summary.json").exists()
 
@@ -370,17 +423,10 @@ def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm
     """Under peft no copy is made: the reference is the trained model with its adapter switched off. LoRA starts
     as the identity (B = 0), so the first step's policy is its reference (KL exactly 0); after an update it is
     not. Generation goes through peft's model."""
-    import json
+    from helpers import WORDS
 
-    from helpers import WORDS, documents
-
-    rows = [{"prompt": " ".join(d["text"].split()[:4])} for d in documents(40, seed=5)]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    args = ["--config", str(TINY_GRPO), "model.config=null", f"model.name_or_path={pretrained_lm}", f"data.train_file={data}",
-            f"output_dir={out}", f"grpo.reward_functions=[{GRPO_REWARDS}:characters]", "grpo.beta=0.5",
-            "peft.r=4", "peft.alpha=8", "train.max_steps=3", "optim.lr=5e-2"]
+    args = lora_args(pretrained_lm, lora_prompts(tmp_path), out)
     assert run_main(args, hf_home) == 0
     s = summary(out)
     assert s["memory_plan"]["frozen_model_bytes"] == 0 and s["memory"]["trainable_parameters"] < 10_000

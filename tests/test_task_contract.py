@@ -120,7 +120,6 @@ TP_LLAMA = ("causal_lm", "sft", "dpo", "grpo")
 # The cells refused by key, and the message's start.
 SHARDING = ("fsdp2", "zero2", "zero3")
 REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in SHARDING},
-           **{("grpo", s): "task: grpo does not run under FSDP or DeepSpeed yet" for s in SHARDING},
            ("masked_lm", "fsdp2"): "task: masked_lm does not run under FSDP2 yet",
            **{(t, "tp"): "distributed.tensor_parallel: Bert" for t in ("text_classification", "masked_lm")},
            ("dpo", "tp"): "dpo.loss: sigmoid's reference model is not built under tensor parallelism yet",
@@ -202,7 +201,8 @@ def assert_equivalent(spec: dict, got: Path, expected: Path) -> None:
     if spec["losses"] is None:  # the logged losses: the mean over all the step's targets
         torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())))
     else:
-        assert all(a[k] == pytest.approx(b[k], rel=spec["losses"]) for k in a), (a, b)
+        # abs: a loss about 0 (GRPO's, whose advantages sum to about 0 in each group) has no relative precision.
+        assert all(a[k] == pytest.approx(b[k], rel=spec["losses"], abs=1e-6) for k in a), (a, b)
     key, rel = spec["eval"]
     assert summary(got)["eval"][key] == pytest.approx(summary(expected)["eval"][key], rel=rel)
     for name in spec.get("same", ()):

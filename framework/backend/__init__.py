@@ -21,7 +21,7 @@ from framework.backend.build import (build_accelerator, fsdp2_on_cpu_processes, 
                                     tensor_parallel_model)
 from framework.backend.compiles import CompileWatch, xla_stats
 from framework.backend.cpu import cpu_threads, large_buffers_unmapped, reuse_large_buffers
-from framework.backend.generation import generating
+from framework.backend.generation import generating, generation_ready
 from framework.backend.hardware import peak_flops, peak_memory_bytes, total_memory_bytes
 from framework.backend.layout import MemoryLayout, memory_layout
 from framework.backend.launch import backend_name, describe, notes, strategy_name
@@ -37,7 +37,7 @@ from framework.backend.xla_spmd import Mesh
 
 __all__ = [
     "CompileWatch", "MemoryLayout", "Mesh", "Trace", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
-    "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
+    "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "generation_ready", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
     "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "preemption_check_interval",
     "read_scalar", "release", "resolved_distributed", "reuse_large_buffers", "save_state", "saving_gathered", "select_backend", "shards_parameters",

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
+GENERATE_REGISTERED = "_framework_fsdp_generate"  # set on an FSDP2 root whose generate() runs its forward hooks
+
+
 @contextmanager
 def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> Iterator[torch.nn.Module]:
     """The model to generate with, as a context: on exit the trained model is as training left it (on its device,
@@ -24,9 +27,12 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
     - XLA: a copy on the host CPU. Generating token by token makes a new shape, so a new compiled graph, per token
       (minutes even for a tiny model); moving the model itself there and back would make new parameter objects,
       leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards.
-    - FSDP2: the weights its root holds outside the wrapped blocks (embeddings, final norm) are gathered by the
-      root's own forward, which a peft model's ``generate()`` bypasses (it calls the inner model's): gathered here
-      instead, once (each block still gathers its own), and resharded on exit.
+    - FSDP2: ``generate`` registered as a forward of the root (torch's ``register_fsdp_forward_method``), so that
+      it gathers the weights the root holds outside the wrapped blocks (embeddings, final norm) and reshards them
+      after, as the root's forward does: a peft model's ``generate()`` bypasses that forward (it calls the inner
+      model's), and before the first training step the root would not be initialised (each block a root of its
+      own, which FSDP refuses). Each block gathers its own weights in its forward, a collective: processes
+      generating different numbers of tokens must do it in lockstep (``sampling.generate(synced=True)``).
     - Tensor parallelism, DDP, one process: the model itself (without accelerate's wrappers).
     Every process must enter it: sharded models gather collectively."""
     if mesh.shard_parameters:
@@ -37,14 +43,22 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
         yield _host_copy(inner)
         return
     training = inner.training
-    if is_fsdp2(accelerator):
-        inner.unshard()
     try:
-        yield inner
+        yield generation_ready(accelerator, inner)
     finally:
-        if is_fsdp2(accelerator):
-            inner.reshard()
         inner.train(training)
+
+
+def generation_ready(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (unwrapped) with its ``generate``, where it has one, able to run: under FSDP2 registered, once, as
+    a forward of the root (``generating``'s docstring). For what generates outside ``generating``: a task's
+    evaluation. (What only calls the model, a classifier's sample, goes through the root's forward anyway.)"""
+    if is_fsdp2(accelerator) and hasattr(model, "generate") and not getattr(model, GENERATE_REGISTERED, False):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
+        setattr(model, GENERATE_REGISTERED, True)
+    return model
 
 
 def _host_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -36,6 +36,10 @@ which then skips that pass. Dropout is switched off: the log-probabilities at sa
 training forward's must be of one function. The reference (``grpo.beta`` > 0) is DPO's: a frozen copy of the
 starting weights, or the trained model with its adapter off under peft.
 
+Under FSDP2 and DeepSpeed ZeRO-3 generation runs on the sharded model (framework/backend/generation.py): each
+block gathers its weights in its forward, a collective, so the processes, each on its own prompts, generate in
+lockstep (``synced``) until the last one's completions stop. The frozen-copy reference is refused there.
+
 Metrics follow TRL's names: ``reward``, ``reward_std``, ``rewards/NAME/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length`` (``min_``, ``max_``), ``completions/clipped_ratio`` (no stop
 token within ``max_completion_length``), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, and ``kl``
@@ -53,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 import framework.step
-from framework import backend, chat, data, losses, rewards, sampling
+from framework import adapters, backend, chat, data, losses, rewards, sampling
 from framework.errors import UserError
 from framework.step import StepResult
 from framework.tasks.base import register
@@ -203,6 +207,7 @@ class GRPO(CausalLM):
         self.sampling: Optional[sampling.Sampling] = None
         self.run_tokenizer, self.reference, self.seed = None, None, 0
         self.autocast = self.unwrap = None
+        self.synced = False  # generation in lockstep over the processes (for_run)
 
     # ------------------------------------------------------------ recipe keys, model
 
@@ -280,9 +285,10 @@ class GRPO(CausalLM):
         if backend.needs_static_shapes(accelerator):
             raise UserError("task: grpo does not run on XLA yet (generation makes a new shape per token); use "
                             "backend=cpu or gpu")
-        if backend.shards_parameters(accelerator):
-            raise UserError("task: grpo does not run under FSDP or DeepSpeed yet (generation and the reference need "
-                            "the whole model); use distributed.strategy=ddp")
+        if cfg.grpo.beta > 0 and not adapters.is_adapted(model) and backend.shards_parameters(accelerator):
+            raise UserError("grpo.beta: the reference model, a frozen copy, is not built under FSDP or DeepSpeed yet "
+                            "(its weights load on the first process only); train an adapter (peft: the reference is "
+                            "the adapter off), or set grpo.beta=0, or use distributed.strategy=ddp")
         if backend.is_tensor_parallel(accelerator):
             raise UserError("task: grpo does not run under tensor parallelism yet (its step-wide reward statistics "
                             "and loss scale count every process as a data-parallel replica); remove "
@@ -301,6 +307,9 @@ class GRPO(CausalLM):
                                           tokenizer.pad_token_id)
         task.reference = reference_model(model, accelerator) if g.beta > 0 else None
         task.autocast, task.unwrap, task.accelerator = accelerator.autocast, accelerator.unwrap_model, accelerator
+        # FSDP2 and ZeRO-3 gather each block's weights in its forward, a collective: the processes, each on its own
+        # prompts, generate in lockstep until the last one's completions stop.
+        task.synced = (backend.is_fsdp2(accelerator) or backend.is_zero3(accelerator)) and accelerator.num_processes > 1
         task.sequences_per_example = g.num_generations
         return task
 
@@ -398,8 +407,8 @@ class GRPO(CausalLM):
 
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
         """Per held-out prompt: the rewards of its greedy completion, per function and weighted."""
-        inner = self.unwrap(model)
-        completions = sampling.generate(inner, batch["prompt_ids"], [], self.sampling, greedy=True)
+        inner = backend.generation_ready(self.accelerator, self.unwrap(model))
+        completions = sampling.generate(inner, batch["prompt_ids"], [], self.sampling, greedy=True, synced=self.synced)
         per_function = self.score_together(batch["rows"], completions)
         device = next(inner.parameters()).device
         return {"rewards": per_function.to(device), "reward": weighted_rewards(per_function, self.weights()).to(device)}
@@ -484,7 +493,7 @@ class GrpoStep:
         seeds = [sampling.row_seed(task.seed, batch["epoch"], index, j)
                  for batch in batches for index in batch["index"] for j in range(group)]
         with backend.generating(acc, run.model, run.mesh) as model:
-            completions = sampling.generate(model, prompts, seeds, task.sampling)
+            completions = sampling.generate(model, prompts, seeds, task.sampling, synced=task.synced)
         per_function = task.score_together([row for batch in batches for row in batch["rows"] for _ in range(group)],
                                            completions)
         stops = set(task.sampling.stop_ids)
