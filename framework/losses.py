@@ -83,10 +83,12 @@ def _chunks(n: int, chunk: int):
 
 
 def _chunk_logits(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
-                  grad_weight: Optional[torch.Tensor] = None, argmax: bool = False):
+                  grad_weight: Optional[torch.Tensor] = None, argmax: bool = False,
+                  entropy_out: Optional[torch.Tensor] = None):
     """One chunk's head output ``z`` and, from it: the loss per token (0 where ignored), the argmax (with
     ``argmax``) and, with ``grad_weight`` (per token), the gradient of sum(grad_weight * loss) with respect to ``z``.
-    The fp32 logits are overwritten in place by that gradient: one copy of the chunk's logits at a time."""
+    The fp32 logits are overwritten in place by that gradient: one copy of the chunk's logits at a time.
+    ``entropy_out``: filled with each token's entropy of softmax(z) (every token, ignored or not)."""
     z = head(h)
     logits = z.detach().float()  # the very tensor when z is fp32: overwritten below, one copy at a time
     counted = targets != IGNORE
@@ -97,6 +99,8 @@ def _chunk_logits(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
     exp = logits.sub_(most).exp_()  # in place; the log-sum-exp, max-shifted, as logsumexp computes it
     total = exp.sum(dim=1, keepdim=True)
     loss = torch.where(counted, (most + total.log()).squeeze(1) - target, 0.0)
+    if entropy_out is not None:  # H = log sum e^x - sum p x, with x the max-shifted logits: log e^x = x
+        entropy_out.copy_(total.log().squeeze(1) - torch.special.xlogy(exp, exp).sum(dim=1) / total.squeeze(1))
     if grad_weight is None:
         return z, loss, top, None
     # d loss / d logits = softmax - one-hot(target), times each token's weight (0 where ignored).
@@ -130,19 +134,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log p(target) per token (0 where ignored); the backward pass recomputes each chunk's logits."""
+    """log p(target) per token (0 where ignored), and, with ``entropy``, each token's entropy (not differentiated;
+    else an empty tensor); the backward pass recomputes each chunk's logits. (``chunk, entropy`` travel as one
+    argument: the Functions' gradients share one layout, hidden, targets, head, chunk, *params.)"""
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, chunk, *params):
+    def forward(ctx, hidden, targets, head, chunk_entropy, *params):
+        chunk, with_entropy = chunk_entropy
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for start, end in _chunks(hidden.shape[0], chunk):
-            out[start:end] = -_chunk_logits(head, hidden[start:end], targets[start:end])[1]
+            out[start:end] = -_chunk_logits(head, hidden[start:end], targets[start:end],
+                                            entropy_out=entropy[start:end] if with_entropy else None)[1]
         ctx.head, ctx.chunk = head, chunk
         ctx.save_for_backward(hidden, targets, *params)
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _grad_entropy):
         hidden, targets, *params = ctx.saved_tensors
         weight = -grad_output.float()  # log p is minus the loss
 
@@ -222,16 +232,18 @@ def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torc
 
 
 def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
-                   select: bool = False) -> torch.Tensor:
+                   select: bool = False, with_entropy: bool = False):
     """Per token of ``targets``' shape, the log-probability (fp32) of its target under ``head(hidden)``, 0 where
     ignored, differentiable, never holding more than ``chunk`` tokens' logits (online RL's per-token ratios).
-    ``select``: the head runs on the target tokens only (dynamic shapes)."""
+    ``select``: the head runs on the target tokens only (dynamic shapes). ``with_entropy``: (log-probabilities,
+    the entropy of each token's distribution, not differentiable, 0 where ignored)."""
     flat_hidden, flat_targets, counted = _flat(hidden, targets, select)
-    out = _TokenLogprobs.apply(flat_hidden, flat_targets, head, chunk, *_trainable(head))
-    if counted is None:
-        return out.view(targets.shape)
-    full = torch.zeros(counted.shape, dtype=out.dtype, device=out.device)
-    return full.masked_scatter(counted, out).view(targets.shape)
+    out, entropy = _TokenLogprobs.apply(flat_hidden, flat_targets, head, (chunk, with_entropy), *_trainable(head))
+    values = [out, torch.where(flat_targets != IGNORE, entropy, 0.0)] if with_entropy else [out]
+    if counted is not None:
+        values = [torch.zeros(counted.shape, dtype=t.dtype, device=t.device).masked_scatter(counted, t) for t in values]
+    values = [t.view(targets.shape) for t in values]
+    return tuple(values) if with_entropy else values[0]
 
 
 @torch.no_grad()

@@ -21,8 +21,21 @@ SPEED_PANELS = [
     ("samples / s", [("samples_per_second", "samples/s", "-")]),
     ("MFU (%)", [("mfu", "MFU", "-")]),
 ]
+# Online RL's training figures (framework/tasks/grpo.py logs TRL's names): drawn where a run logged them, the
+# rewards per function as one line each (rewards/NAME/mean).
+RL_PANELS = [
+    ("reward", [("reward", "train", "-"), ("eval_reward", "eval (greedy)", "--o")]),
+    ("completion length", [("completions/mean_length", "mean", "-"), ("completions/min_length", "min", ":"),
+                           ("completions/max_length", "max", ":")]),
+    ("clipped", [("completions/clipped_ratio", "completions cut at the limit", "-"),
+                 ("clip_ratio/region_mean", "tokens with the ratio clipped", "--")]),
+    ("KL to the reference", [("kl", "kl", "-")]),
+    ("entropy", [("entropy", "entropy", "-")]),
+]
 SCALE = {"mfu": 100.0}  # shown as a percentage
-COUNTS = {"eval_loss", "eval_examples", "eval_tokens"}  # no panel of their own: the loss has one, counts are no curve
+COUNTS = {"eval_loss", "eval_examples", "eval_tokens", "eval_prompts"}  # no panel of their own: the loss has one,
+# counts are no curve
+STYLES = ["-", "--", ":", "-."]  # the lines of one run's panel that share its colour
 
 
 def _figure(panels: int, width: float = 4.2, height: float = 2.9, left: float = 0.6):
@@ -45,8 +58,13 @@ def _figure(panels: int, width: float = 4.2, height: float = 2.9, left: float = 
 def _panels(runs: Dict[str, List[dict]]) -> List[Tuple[str, list]]:
     """The panels that have data in at least one run."""
     keys = {k for records in runs.values() for r in records for k, v in r.items() if isinstance(v, (int, float))}
-    metrics = sorted(k for k in keys if k.startswith("eval_") and k not in COUNTS)
-    candidates = FIXED_PANELS + [(m[len("eval_"):], [(m, "eval", "-o")]) for m in metrics] + SPEED_PANELS
+    fixed = {key for _, lines in RL_PANELS for key, _, _ in lines}
+    metrics = sorted(k for k in keys if k.startswith("eval_") and k not in COUNTS and k not in fixed)
+    functions = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
+    per_function = [("rewards per function", [(k, k.split("/")[1], STYLES[i % len(STYLES)])
+                                              for i, k in enumerate(functions)])]
+    candidates = (FIXED_PANELS + RL_PANELS[:1] + per_function + RL_PANELS[1:]
+                  + [(m[len("eval_"):], [(m, "eval", "-o")]) for m in metrics] + SPEED_PANELS)
     return [(title, lines) for title, lines in candidates if any(key in keys for key, _, _ in lines)]
 
 

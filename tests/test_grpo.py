@@ -134,6 +134,33 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
 
 
+@pytest.mark.parametrize("chunk", [5, 0])
+def test_entropy_equals_trl(trl_trainer, chunk):
+    """The logged ``entropy``'s per-token values: on the same rollouts, each completion token's entropy of the
+    logits over the temperature equals TRL's ``_get_per_token_logps_and_entropies`` within 1e-5, through the chunked
+    head (5 tokens at a time) and through the model's own logits (chunk 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from framework.tasks.grpo import GRPO, GrpoConfig, rollout_batch
+
+    trainer, folder = trl_trainer
+    inputs = trl_inputs(torch.zeros(len(PROMPTS)), None, None)
+    with torch.no_grad():
+        _, trl_entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), MAX_COMPLETION, compute_entropy=True)
+    task = GRPO()
+    task.grpo = GrpoConfig(temperature=0.7, max_completion_length=MAX_COMPLETION)
+    task.loss_chunk, task.select_targets = chunk, True
+    batch = rollout_batch(PROMPTS, COMPLETIONS, torch.zeros(len(PROMPTS)), [True] * len(PROMPTS), 1, "cpu")
+    with torch.no_grad():
+        _, ours = task.token_logprobs(AutoModelForCausalLM.from_pretrained(folder).eval(), batch, with_entropy=True)
+    expected = ours_layout(trl_entropy * inputs["completion_mask"], batch["input_ids"].shape[1])
+    print(f"chunk {chunk}: entropy max |diff| {(ours - expected).abs().max().item():.1e}, mean over tokens "
+          f"{(ours.sum() / inputs['completion_mask'].sum()).item():.4f}")
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
 def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tokenizer, pair_data, tmp_path,
                                                                monkeypatch):
     """With two iterations the step records every micro-batch's log-probabilities (no gradients) before updating;
@@ -149,10 +176,11 @@ def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tok
         calls = []
         forward = run.task.token_logprobs
 
-        def recording(model, batch):
-            logps = forward(model, batch)
+        def recording(model, batch, with_entropy=False):
+            out = forward(model, batch, with_entropy)
+            logps = out[0] if with_entropy else out
             calls.append((torch.is_grad_enabled(), logps.detach().clone(), batch["targets"] != -100))
-            return logps
+            return out
 
         monkeypatch.setattr(run.task, "token_logprobs", recording)
         batches = iter(run.data.train_dl)
@@ -395,13 +423,14 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
                      f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters,{GRPO_REWARDS}:only_rotten]",
                      "grpo.reward_weights=[1.0,1.0,0.5]", "grpo.beta=0.1", "grpo.iterations=2", "grpo.loss=grpo",
                      "grpo.scale_rewards=batch", "grpo.mask_truncated_completions=true", "grpo.max_completion_length=8",
-                     "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3", "optim.scheduler=linear")
+                     "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3", "optim.scheduler=linear",
+                     "report.enabled=true")
     assert run_main(args, hf_home) == 0
     assert "frozen models (the task's reference, never trained)" in capsys.readouterr().out
     records = [r for r in read_metrics(out) if "loss" in r]
     assert len(records) == 3
     for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "rewards/only_rotten/mean",
-                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "kl"):
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "entropy"):
         assert all(key in r for r in records), key
     print({key: [round(r[key], 4) for r in records] for key in ("reward", "kl", "completions/clipped_ratio")})
     # The second iteration of step 1 runs a policy one update away from the reference. (The KL is over trained
@@ -415,6 +444,14 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert (s["memory_plan"]["generated_rows"], s["memory_plan"]["generated_length"]) == (16, 40)
     assert s["memory_plan"]["kv_cache_bytes"] == 16 * 40 * 2 * 2 * 32 * 4
     assert s["eval"]["prompts"] == 20 and "rewards/only_rotten" in s["eval"]
+    # The report's curves: the RL figures, the rewards per function one line each.
+    from framework import plots
+
+    panels = dict(plots._panels({"run": read_metrics(out)}))
+    assert {"reward", "rewards per function", "completion length", "clipped", "KL to the reference",
+            "entropy"} <= set(panels) and "prompts" not in panels
+    assert [label for _, label, _ in panels["rewards per function"]] == ["characters", "exact_match", "only_rotten"]
+    assert (out / "plots" / "curves.png").stat().st_size > 10_000
     assert s["sample"]["prompt"].startswith("<|im_start|>") and "<|im_end|>" in s["sample"]["prompt"]
     assert "reward" in s["sample"]
 

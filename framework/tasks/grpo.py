@@ -42,8 +42,10 @@ lockstep (``synced``) until the last one's completions stop. The frozen-copy ref
 
 Metrics follow TRL's names: ``reward``, ``reward_std``, ``rewards/NAME/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length`` (``min_``, ``max_``), ``completions/clipped_ratio`` (no stop
-token within ``max_completion_length``), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, and ``kl``
-with a reference; each over the whole step (all processes), then averaged over the log window.
+token within ``max_completion_length``), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, ``entropy`` (the
+mean over trained completion tokens of the entropy of the distribution they were sampled from, the logits over the
+temperature, read in the update's forward) and ``kl`` with a reference; each over the whole step (all processes),
+then averaged over the log window.
 """
 
 from __future__ import annotations
@@ -376,9 +378,11 @@ class GRPO(CausalLM):
         w = self.grpo.reward_weights
         return torch.tensor(w if w is not None else [1.0] * len(self.rewards), dtype=torch.float32)
 
-    def token_logprobs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def token_logprobs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor], with_entropy: bool = False):
         """Per token, the log-probability of its target (the next token, where it is a completion token; 0
-        elsewhere) under the model's logits over the temperature, through the chunked head where exact."""
+        elsewhere) under the model's logits over the temperature, through the chunked head where exact.
+        ``with_entropy``: (log-probabilities, each completion token's entropy of that distribution, as TRL logs it;
+        not differentiable)."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         targets, temperature = batch["targets"], self.grpo.temperature
         head = losses.output_head(model) if self.loss_chunk else None
@@ -386,14 +390,19 @@ class GRPO(CausalLM):
             hidden, called = losses.hidden_states(model, head, **inputs)
             if called:
                 tempered = head if temperature == 1.0 else _Tempered(head, temperature)
-                return losses.token_logprobs(hidden, tempered, targets, self.loss_chunk, self.select_targets)
+                return losses.token_logprobs(hidden, tempered, targets, self.loss_chunk, self.select_targets,
+                                             with_entropy)
             logits = hidden  # the model did not call its head module: these are its logits
         else:
             logits = model(**inputs).logits
         counted = targets != IGNORE
-        chosen = torch.log_softmax(logits[counted].float() / temperature, dim=-1).gather(
-            1, targets[counted].unsqueeze(1)).squeeze(1)
-        return torch.zeros(targets.shape, dtype=chosen.dtype, device=chosen.device).masked_scatter(counted, chosen)
+        logp = torch.log_softmax(logits[counted].float() / temperature, dim=-1)
+        chosen = logp.gather(1, targets[counted].unsqueeze(1)).squeeze(1)
+        out = torch.zeros(targets.shape, dtype=chosen.dtype, device=chosen.device).masked_scatter(counted, chosen)
+        if not with_entropy:
+            return out
+        entropy = -(logp.detach().exp() * logp.detach()).sum(dim=-1)
+        return out, torch.zeros_like(out).masked_scatter(counted, entropy)
 
     def reference_logprobs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self.autocast():
@@ -526,24 +535,25 @@ class GrpoStep:
                 if g.beta > 0:
                     r["ref"] = task.reference_logprobs(run.model, r)
 
-        stats = torch.zeros(5, device=acc.device)  # low-, high-, region-clipped tokens, KL sum, tokens
+        stats = torch.zeros(6, device=acc.device)  # low-, high-, region-clipped tokens, KL sum, tokens, entropy sum
         loss = 0
         for _ in range(g.iterations):
             for r in rollouts:
                 def loss_of(model, r=r):
-                    logps = task.token_logprobs(model, r)
+                    logps, entropy = task.token_logprobs(model, r, with_entropy=True)
                     per_token, ratio, kl = token_losses(logps, r.get("old", logps.detach()), r.get("ref"),
                                                         r["advantages"], g)
                     mask = (r["targets"] != IGNORE).float()
-                    stats.add_(clip_counts(ratio.detach(), kl, r["advantages"], mask, g))
+                    stats.add_(torch.cat([clip_counts(ratio.detach(), kl, r["advantages"], mask, g),
+                                          (entropy * mask).sum().reshape(1)]))
                     return loss_sum(per_token, mask, g)
 
                 # Looked up at the call, as the supervised step's: tests/scripts/kill_at.py counts micro-batches by it.
                 loss = loss + framework.step.backward_and_step(run, loss_of, scale)
-        low, high, region, kl_sum, tokens = (acc.reduce(stats, reduction="sum") if acc.num_processes > 1
-                                             else stats).tolist()
+        low, high, region, kl_sum, tokens, entropy_sum = (acc.reduce(stats, reduction="sum") if acc.num_processes > 1
+                                                          else stats).tolist()
         metrics.update({"clip_ratio/low_mean": low / max(tokens, 1), "clip_ratio/high_mean": high / max(tokens, 1),
-                        "clip_ratio/region_mean": region / max(tokens, 1)})
+                        "clip_ratio/region_mean": region / max(tokens, 1), "entropy": entropy_sum / max(tokens, 1)})
         if g.beta > 0:
             metrics["kl"] = kl_sum / max(tokens, 1)
         # Tokens: every update's forward and backward (the FLOPs counted); generation and the no-grad forwards are
