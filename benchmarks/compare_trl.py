@@ -330,7 +330,7 @@ class Job:
             result["logged_train_loss"] = summary["train"]["loss"]  # the last step's, with train.log_every=1
             resolved = load_config(done.output_dir / "config.yaml", [])  # the recipe the run resolved
             result["gradient_checkpointing"] = resolved.train.gradient_checkpointing
-            rewards = [r["reward"] for r in records if "reward" in r and "step" in r and "eval_reward" not in r]
+            rewards = [r["reward"] for r in records if "reward" in r]  # train records; eval's say eval_reward
         else:
             tokens = summary["tokens_per_step"]
             result["gradient_checkpointing"] = summary["train"]["gradient_checkpointing"]

@@ -544,8 +544,7 @@ class GrpoStep:
                     per_token, ratio, kl = token_losses(logps, r.get("old", logps.detach()), r.get("ref"),
                                                         r["advantages"], g)
                     mask = (r["targets"] != IGNORE).float()
-                    stats.add_(torch.cat([clip_counts(ratio.detach(), kl, r["advantages"], mask, g),
-                                          (entropy * mask).sum().reshape(1)]))
+                    stats.add_(update_sums(ratio.detach(), kl, entropy, r["advantages"], mask, g))
                     return loss_sum(per_token, mask, g)
 
                 # Looked up at the call, as the supervised step's: tests/scripts/kill_at.py counts micro-batches by it.
@@ -564,17 +563,18 @@ class GrpoStep:
                           (lengths * lengths).sum() * g.iterations, len(rollouts), metrics)
 
 
-def clip_counts(ratio: torch.Tensor, kl: Optional[torch.Tensor], advantage: torch.Tensor, mask: torch.Tensor,
-                g: GrpoConfig) -> torch.Tensor:
+def update_sums(ratio: torch.Tensor, kl: Optional[torch.Tensor], entropy: torch.Tensor, advantage: torch.Tensor,
+                mask: torch.Tensor, g: GrpoConfig) -> torch.Tensor:
     """Of a micro-batch's completion tokens: how many have their ratio clipped below, above, either (where the
-    clip bites: TRL's is_low_clipped, is_high_clipped), the summed KL estimate, and how many there are."""
+    clip bites: TRL's is_low_clipped, is_high_clipped), the summed KL estimate, how many there are, and their
+    summed entropy."""
     a = advantage.unsqueeze(1)
     high = g.epsilon if g.epsilon_high is None else g.epsilon_high
     low_clipped = ((ratio < 1 - g.epsilon) & (a < 0)).float() * mask
     high_clipped = ((ratio > 1 + high) & (a > 0)).float() * mask
     kl_sum = (kl.detach() * mask).sum() if kl is not None else mask.new_zeros(())
     return torch.stack([low_clipped.sum(), high_clipped.sum(), (low_clipped + high_clipped).clamp(max=1).sum(), kl_sum,
-                        mask.sum()])
+                        mask.sum(), (entropy * mask).sum()])
 
 
 def reward_metrics(everything: torch.Tensor, total: torch.Tensor, task: GRPO, group: int) -> Dict[str, float]:
