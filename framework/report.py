@@ -28,6 +28,7 @@ from framework.trackers import TRACKER_PACKAGES
 from framework.tasks import get_task
 
 PAGE = "report.html"
+EXAMPLE_STEPS = 5  # logged steps whose examples (StepResult.examples) the report shows
 PLOTS = "plots"
 
 
@@ -232,7 +233,7 @@ def final_figures(output_dir: Path) -> Dict[str, object]:
         latest: Dict[str, object] = {}
         for record in read_records(output_dir):
             latest.update(record)
-        return {"finished": False, **{k: v for k, v in latest.items() if k != "epoch"}}
+        return {"finished": False, **{k: v for k, v in latest.items() if k not in ("epoch", "examples")}}
     train = summary["train"]
     figures = {"finished": True, "step": train["steps"], "loss": train["loss"],
                **{f"eval_{k}": v for k, v in summary["eval"].items() if not isinstance(v, (dict, list))},
@@ -326,6 +327,7 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
     for section in sections:
         parts += [f"<h2>{html.escape(section.title)}</h2>", _table(section.rows, section.header)]
         parts += [f"<img src='{PLOTS}/{path.name}' alt='{html.escape(section.title)}'>" for path in section.plots]
+    parts += _examples_section(records)
     if summary and summary.get("sample"):
         parts += ["<h2>Sample</h2>", _table([(summary["sample"]["prompt"], summary["sample"]["generated"])],
                                             ["prompt", "generated"])]
@@ -335,6 +337,25 @@ def _page(output_dir: Path, records: List[dict], summary: Optional[dict], facts:
     body = "\n".join(parts)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(output_dir.name)}</title>"
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def _examples_section(records: List[dict]) -> List[str]:
+    """The examples training records hold (online RL: a prompt's sampled completions with their rewards) at up to
+    ``EXAMPLE_STEPS`` logged steps: the first, the last and evenly between; a step's prompt is shown once."""
+    logged = [r for r in records if r.get("examples")]
+    if not logged:
+        return []
+    last = len(logged) - 1
+    picks = sorted({round(i * last / (EXAMPLE_STEPS - 1)) for i in range(EXAMPLE_STEPS)})
+    header = list(logged[0]["examples"][0])
+    rows = []
+    for record in (logged[i] for i in picks):
+        prompt = None
+        for example in record["examples"]:
+            rows.append([record["step"] if prompt is None else "", *("" if k == "prompt" and example[k] == prompt
+                                                                     else example.get(k) for k in header)])
+            prompt = example.get("prompt")
+    return ["<h2>Examples from training</h2>", _table(rows, ["step", *header])]
 
 
 def _harness_section(summary: Optional[dict], images: list) -> List[str]:

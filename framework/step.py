@@ -31,6 +31,9 @@ class StepResult:
     # Further scalars to log with the loss (online RL's rewards), each already the same on every process (the
     # step reduced it over them); the loop logs each one's mean over the steps of its log window.
     metrics: Dict[str, float] = field(default_factory=dict)
+    # A few of the step's examples as text, from the main process (online RL: one prompt's completions with their
+    # rewards): the loop logs the last step's with each training record, and the report shows them over the run.
+    examples: List[Dict[str, object]] = field(default_factory=list)
 
 
 class Step(Protocol):

@@ -90,7 +90,7 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(problems[0] if len(problems) == 1 else
                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
-    accelerator, mesh = backend.build_accelerator(cfg)
+    accelerator, mesh = backend.build_accelerator(cfg, task.micro_batches_per_update(cfg))
     lm_harness = None
     if cfg.eval.harness is not None:
         if cfg.eval.harness.every_steps and backend.needs_static_shapes(accelerator):
@@ -181,6 +181,7 @@ class Window:
     tokens: int  # real (non-padding) tokens, all processes
     flops: float  # model FLOPs of those tokens (framework.flops)
     metrics: Dict[str, float]  # the steps' further scalars (StepResult.metrics), each its mean over the window
+    examples: List[Dict[str, object]]  # the window's last step's (StepResult.examples)
 
 
 class LossWindow:
@@ -199,6 +200,8 @@ class LossWindow:
         self.logged = (0, 0)
         self.micro_steps, self.start = 0, time.perf_counter()
         self.metrics: Dict[str, list] = {}  # name -> [sum, steps] over the window
+        # The last step's examples: a log window ends at the step it logs, so a resumed run logs the same ones.
+        self.examples: List[Dict[str, object]] = []
 
     def add(self, result: StepResult) -> None:
         self.loss_sum += result.loss_sum
@@ -206,6 +209,7 @@ class LossWindow:
         self.tokens += result.tokens
         self.token_context += result.token_context
         self.micro_steps += result.micro_steps
+        self.examples = result.examples
         for name, value in result.metrics.items():
             total = self.metrics.setdefault(name, [0.0, 0])
             total[0] += value
@@ -218,10 +222,10 @@ class LossWindow:
         (tokens, context), before = self.totals(), self.logged
         result = Window(loss, self.micro_steps, time.perf_counter() - self.start, tokens - before[0],
                         self.model_flops.total(tokens - before[0], context - before[1]),
-                        {name: total / steps for name, (total, steps) in self.metrics.items()})
+                        {name: total / steps for name, (total, steps) in self.metrics.items()}, self.examples)
         self.logged = (tokens, context)
         self.loss_sum, self.targets = backend.zero_scalar(self.accelerator), backend.zero_scalar(self.accelerator)
-        self.micro_steps, self.start, self.metrics = 0, time.perf_counter(), {}
+        self.micro_steps, self.start, self.metrics, self.examples = 0, time.perf_counter(), {}, []
         return result
 
     def totals(self) -> tuple:
@@ -394,6 +398,8 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
     speed = steps * run.plan["effective_batch"] / closed.seconds
     record = {"step": state.step, "epoch": state.epoch, "loss": closed.loss, "lr": run.scheduler.get_last_lr()[0],
               "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds, **closed.metrics}
+    if closed.examples:
+        record["examples"] = closed.examples
     if run.peak_flops:
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
     if run.skipped_steps is not None:

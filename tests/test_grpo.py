@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GRPO_REWARDS, ROOT, TINY_GRPO, finish, free_port, grpo_args, machines, read_metrics, summary
+from helpers import (GRPO_REWARDS, ROOT, TINY_GRPO, assert_same_weights, finish, free_port, grpo_args, machines,
+                     read_metrics, summary)
 from in_process import fresh_process, run_captured, run_main
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "yes", "no"]
@@ -80,19 +81,28 @@ def trl_trainer(tmp_path_factory):
     return trainer, folder
 
 
-@pytest.mark.parametrize("loss,beta", [("dapo", 0.0), ("grpo", 0.0), ("dr_grpo", 0.0), ("bnpo", 0.0),
-                                       ("dapo", 0.04), ("grpo", 0.04)])
-def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
+# The other half of a generation that feeds two optimizer steps: its completion tokens.
+OTHER_SHARE_TOKENS = 13
+
+
+@pytest.mark.parametrize("loss,beta,steps", [("dapo", 0.0, 1), ("grpo", 0.0, 1), ("dr_grpo", 0.0, 1),
+                                             ("bnpo", 0.0, 1), ("dapo", 0.04, 1), ("grpo", 0.04, 1),
+                                             ("dapo", 0.0, 2), ("grpo", 0.0, 2)])
+def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
     """For the same rollouts, advantages, old log-probabilities (perturbed, so that some ratios are clipped on
     both sides) and reference log-probabilities, our loss and its gradients equal TRL's ``_compute_loss`` within
-    1e-5 (fp32; our log-probabilities through the chunked head, 5 tokens at a time)."""
+    1e-5 (fp32; our log-probabilities through the chunked head, 5 tokens at a time). ``steps`` 2: the rollouts are
+    one optimizer step's share of a generation feeding two (``grpo.generation_steps``; TRL's
+    ``steps_per_generation``), whose other share has 13 completion tokens: each step divides by its share of the
+    generation's normaliser, as the step does."""
     from transformers import AutoModelForCausalLM
 
-    from framework.tasks.grpo import GRPO, GrpoConfig, loss_sum, normaliser, rollout_batch, token_losses
+    from framework.tasks.grpo import (GRPO, GrpoConfig, loss_sum, normaliser, rollout_batch, share_normaliser,
+                                      token_losses)
     from helpers import grads
 
     trainer, folder = trl_trainer
-    trainer.loss_type, trainer.beta = loss, beta
+    trainer.loss_type, trainer.beta, trainer.args.steps_per_generation = loss, beta, steps
     g = torch.Generator().manual_seed(3)
     advantage = torch.randn(len(PROMPTS), generator=g)
     inputs = trl_inputs(advantage, None, None)
@@ -103,6 +113,8 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
     old = logps + 0.3 * torch.randn(logps.shape, generator=g)
     ref = logps + 0.5 * torch.randn(logps.shape, generator=g)
     inputs = trl_inputs(advantage, old, ref if beta else None)
+    if steps > 1:  # the generation's completion tokens: this share's and the other's
+        inputs["num_items_in_batch"] = inputs["num_items_in_batch"] + OTHER_SHARE_TOKENS
     trainer.model.zero_grad()
     trl_loss = trainer._compute_loss(trainer.model, inputs)
     trl_loss.backward()
@@ -111,7 +123,7 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
     policy = AutoModelForCausalLM.from_pretrained(folder).train()
     task = GRPO()
     task.grpo = GrpoConfig(loss=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
-                           max_completion_length=MAX_COMPLETION)
+                           max_completion_length=MAX_COMPLETION, generation_steps=steps)
     task.loss_chunk, task.select_targets = 5, True
     batch = rollout_batch(PROMPTS, COMPLETIONS, advantage, [True] * len(PROMPTS), 1, "cpu")
     length = batch["input_ids"].shape[1]
@@ -119,7 +131,9 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
     per_token, ratio, _ = token_losses(ours, ours_layout(old, length), ours_layout(ref, length) if beta else None,
                                        batch["advantages"], task.grpo)
     mask = (batch["targets"] != -100).float()
-    our_loss = loss_sum(per_token, mask, task.grpo) / normaliser(mask, task.grpo)
+    generation = normaliser(mask, task.grpo)  # a share's, times the shares (grpo: equal shares of completions)
+    generation = generation + OTHER_SHARE_TOKENS if loss == "dapo" and steps > 1 else generation * steps
+    our_loss = loss_sum(per_token, mask, task.grpo) / share_normaliser(generation, task.grpo)
     our_loss.backward()
     clipped = ((ratio < 0.8) | (ratio > 1.28)) & mask.bool()
     assert 0 < int(clipped.sum()) < int(mask.sum())  # a batch that clips some tokens and not others
@@ -128,7 +142,7 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta):
     ours_grads = {name.replace("base_model.model.", ""): value for name, value in grads(policy).items()}
     grad_diff = max((ours_grads[name] - value).abs().max().item() for name, value in trl_grads.items())
     scale = max(value.abs().max().item() for value in trl_grads.values())
-    print(f"{loss} beta={beta}: loss {our_loss.item():.6f} vs TRL {trl_loss.item():.6f} (|diff| {loss_diff:.1e}), "
+    print(f"{loss} beta={beta} generation steps {steps}: loss {our_loss.item():.6f} vs TRL {trl_loss.item():.6f} (|diff| {loss_diff:.1e}), "
           f"gradients max |diff| {grad_diff:.1e} (largest gradient {scale:.2e})")
     assert ours_grads.keys() == trl_grads.keys()
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
@@ -391,6 +405,53 @@ def test_a_frozen_copy_reference_under_fsdp_is_refused_by_key(cli, pair_tokenize
 # ---------------------------------------------------------------- runs
 
 
+@pytest.mark.multiprocess
+def test_one_generation_feeds_several_optimizer_steps_whatever_the_split(cli, hf_home, pair_tokenizer, pair_data,
+                                                                         tmp_path):
+    """grpo.generation_steps=2: each step's 8 prompts x 4 completions are generated at once, then learnt from in
+    two optimizer steps of half the micro-batches each (the second's ratio against the log-probabilities at
+    sampling). 1 process with micro-batches of 4 prompts, 1 with micro-batches of 2, and 2 processes draw the same
+    completions and end with the same weights and losses (the contract's bounds); the schedule advances twice a
+    step, and the second step's ratios move off 1 (some clipped); the first step draws what a run updating once
+    per generation draws (the same model samples), and its weights then move apart from that run's."""
+    common = ["train.max_steps=3", "optim.name=sgd", "optim.lr=0.5", "optim.scheduler=linear",
+              "train.max_grad_norm=null", "grpo.generation_steps=2"]
+    runs = {name: tmp_path / name for name in ("four", "two_each", "processes", "once")}
+    assert run_main(grpo_args(pair_tokenizer, pair_data, runs["four"], *common, "train.batch_size=4",
+                              "train.gradient_accumulation_steps=2"), hf_home) == 0
+    assert run_main(grpo_args(pair_tokenizer, pair_data, runs["two_each"], *common, "train.batch_size=2",
+                              "train.gradient_accumulation_steps=4"), hf_home) == 0
+    cli(grpo_args(pair_tokenizer, pair_data, runs["processes"], *common, "train.batch_size=2",
+                  "train.gradient_accumulation_steps=2"), launch="cpu_ddp.yaml")
+    assert run_main(grpo_args(pair_tokenizer, pair_data, runs["once"], *common[:-1], "train.batch_size=8"),
+                    hf_home) == 0
+    logged = {name: [r for r in read_metrics(out) if "loss" in r] for name, out in runs.items()}
+    print({n: [round(r["clip_ratio/region_mean"], 4) for r in v] for n, v in logged.items()})
+    for name in ("two_each", "processes"):
+        for key in ("reward", "reward_std", "completions/mean_length", "completions/max_length"):
+            # The processes gather the rows in another order: the sums round apart.
+            assert [r[key] for r in logged[name]] == pytest.approx([r[key] for r in logged["four"]], rel=1e-6), \
+                (name, key)
+        torch.testing.assert_close(torch.tensor([r["loss"] for r in logged[name]]),
+                                   torch.tensor([r["loss"] for r in logged["four"]]), rtol=1e-5, atol=1e-6)
+        assert_same_weights(runs[name], runs["four"], 1e-5, 1e-6)
+    assert [r["lr"] for r in logged["four"]] == pytest.approx([0.5 * (1 - 2 * k / 6) for k in (1, 2, 3)], abs=1e-12)
+    assert logged["once"][0]["reward"] == logged["four"][0]["reward"]
+    # The second step of each generation learns from completions an update old: its ratios move, and some are
+    # clipped (measured: 3% to 20% of the tokens); updating once per generation, the ratio is exactly 1.
+    assert all(r["clip_ratio/region_mean"] > 0 for r in logged["four"])
+    assert all(r["clip_ratio/region_mean"] == 0 for r in logged["once"])
+    assert [r["lr"] for r in logged["once"]] == pytest.approx([0.5 * (1 - k / 3) for k in (1, 2, 3)], abs=1e-12)
+    with pytest.raises(AssertionError):
+        assert_same_weights(runs["once"], runs["four"], 1e-5, 1e-6)
+
+
+def test_generation_steps_must_divide_the_accumulation(hf_home, pair_tokenizer, pair_data, tmp_path):
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "grpo.generation_steps=2"), hf_home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "grpo.generation_steps: 2 optimizer steps cannot share the generation's 1 micro-batches" in proc.stderr
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_path, seed):
     """The prompts end with a sentiment word; the reward is 1 for answering its verdict ('fresh' or 'rotten': one
@@ -411,7 +472,9 @@ def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_p
 def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
     """Conversation prompts through chatml, three weighted rewards (one skipping rows with None), the KL penalty
     against a frozen reference (counted by the memory plan), two iterations, the grpo loss, step-wide reward
-    scaling, truncated completions masked: it trains, logs TRL's figures, evaluates greedily and samples."""
+    scaling, truncated completions masked: it trains, logs TRL's figures and sampled completions, evaluates
+    greedily and samples."""
+    import html
     import json
 
     rows = [{"prompt": [{"role": "user", "content": json.loads(line)["prompt"]}], "chosen": json.loads(line)["chosen"]}
@@ -454,6 +517,19 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert (out / "plots" / "curves.png").stat().st_size > 10_000
     assert s["sample"]["prompt"].startswith("<|im_start|>") and "<|im_end|>" in s["sample"]["prompt"]
     assert "reward" in s["sample"]
+    # Each training record shows its step's first prompt with 4 of its sampled completions, their rewards (the
+    # weighted sum of the functions that scored them) and advantages; the report shows them at each logged step.
+    for record in records:
+        examples = record["examples"]
+        assert len(examples) == 4 and len({e["prompt"] for e in examples}) == 1
+        assert examples[0]["prompt"].startswith("<|im_start|>")
+        for e in examples:
+            weighted = [w * e["rewards"][name] for name, w in (("exact_match", 1.0), ("characters", 1.0),
+                                                                ("only_rotten", 0.5)) if e["rewards"][name] is not None]
+            assert e["reward"] == pytest.approx(sum(weighted), rel=1e-6) and isinstance(e["completion"], str)
+    page = (out / "report.html").read_text()
+    assert page.count(html.escape(records[0]["examples"][1]["completion"])) >= 1
+    assert "<h2>Examples from training</h2>" in page and page.count(html.escape(records[0]["examples"][0]["prompt"])) >= 1
 
 
 def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm, tmp_path, capsys):

@@ -7,7 +7,7 @@ import importlib
 import inspect
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Tuple
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
 
 import torch
 
@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def _plugins(cfg: RunConfig) -> dict:
+def _plugins(cfg: RunConfig, accumulation: Optional[int] = None) -> dict:
     """The Accelerator's plugin arguments: the compiler, and FSDP or DeepSpeed with the recipe's settings
-    (also under strategy auto, when the launch config set FSDP or DeepSpeed up)."""
+    (also under strategy auto, when the launch config set FSDP or DeepSpeed up); ``accumulation``: the
+    micro-batches of one weight update (default: ``train.gradient_accumulation_steps``)."""
+    accumulation = accumulation or cfg.train.gradient_accumulation_steps
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     plugins = {}
@@ -57,7 +59,7 @@ def _plugins(cfg: RunConfig) -> dict:
         z = d.deepspeed
         plugin = DeepSpeedPlugin(
             zero_stage=z.zero_stage, offload_optimizer_device=z.offload_optimizer, offload_param_device=z.offload_params,
-            gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+            gradient_accumulation_steps=accumulation,
             gradient_clipping=cfg.train.max_grad_norm or 0.0, zero3_save_16bit_model=True)
         # Set in the config itself: the plugin leaves a falsy clipping out of it, and accelerate's prepare then
         # fills the missing key with 1.0, so train.max_grad_norm: null clipped every step at 1 (0 is DeepSpeed's off).
@@ -253,21 +255,23 @@ def _process_group_kwargs(cfg: RunConfig) -> list:
     return [InitProcessGroupKwargs(timeout=timedelta(minutes=minutes))] if minutes else []
 
 
-def build_accelerator(cfg: RunConfig) -> Tuple[Accelerator, xla_spmd.Mesh]:
-    """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD)."""
+def build_accelerator(cfg: RunConfig, accumulation: Optional[int] = None) -> Tuple[Accelerator, xla_spmd.Mesh]:
+    """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD);
+    ``accumulation``: the micro-batches of one weight update (the task's; default ``train.gradient_accumulation_steps``)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     check(cfg)
     mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
-    plugins = _plugins(cfg)
+    accumulation = accumulation or cfg.train.gradient_accumulation_steps
+    plugins = _plugins(cfg, accumulation)
     deepspeed_on_cpu = deepspeed_on_cpu_processes(cfg)
     try:
         accelerator = Accelerator(
             cpu=(cfg.backend == "cpu" or auto_means_cpu(cfg)) and not deepspeed_on_cpu,
             mixed_precision=cfg.precision,
             gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=cfg.train.gradient_accumulation_steps,
+                num_steps=accumulation,
                 # The loop consumes whole accumulation windows per epoch, so no partial window at the end.
                 sync_with_dataloader=False,
             ),

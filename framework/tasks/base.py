@@ -116,6 +116,11 @@ class Task:
         """How many times ``step`` updates the weights: the learning-rate schedule advances that often a step."""
         return 1
 
+    def micro_batches_per_update(self, cfg) -> int:
+        """The micro-batches each weight update accumulates (accelerate's and DeepSpeed's accumulation count): all
+        of the step's, unless its step updates on shares of them."""
+        return cfg.train.gradient_accumulation_steps
+
     def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 

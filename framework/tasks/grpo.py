@@ -11,7 +11,8 @@ micro-batch, so the plan's samples are prompts), samples ``grpo.num_generations`
 (framework/sampling.py: keyed by (seed, epoch, the prompt's index in the dataset, the completion's number), so
 the process count and the accumulation do not change what is drawn), scores them, turns the rewards into
 advantages and updates ``grpo.iterations`` times on those rollouts, each micro-batch holding its prompts'
-completions. Evaluation (and the end-of-run sample) decodes greedily, one completion per held-out prompt, and
+completions; with ``grpo.generation_steps`` above 1 each of those passes is that many optimizer steps, each on an
+equal share of the micro-batches (one generation feeding several optimizer steps, TRL's ``steps_per_generation``). Evaluation (and the end-of-run sample) decodes greedily, one completion per held-out prompt, and
 reports their mean reward.
 
 The epoch stands in the sampling key where the step could: within an epoch each prompt index comes at most once,
@@ -22,17 +23,18 @@ repeats a row within an epoch draws the same completions for its repeats.
 The loss is TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level
 importance sampling, two-sided clipping with ``epsilon``/``epsilon_high``, the k3 KL estimate against the
 reference with weight ``beta``, times the ratio as TRL's default ``use_bias_correction_kl``), its
-log-probabilities those of the logits over the temperature, as TRL takes them. Its normaliser is counted over the whole optimizer step (every micro-batch and process) before the
-backward pass, as the supervised step does: dapo divides by the step's completion tokens, grpo by its
-completions (each a token mean), dr_grpo by its completions times ``max_completion_length``, so splitting the
-same step over more processes or micro-batches gives the same gradient. bnpo is by definition the mean over
+log-probabilities those of the logits over the temperature, as TRL takes them. Its normaliser is counted over the whole generation (every micro-batch and process) before the
+backward pass, as the supervised step does, and each optimizer step divides by its share (the generation's over
+``grpo.generation_steps``, as TRL's): dapo by the completion tokens, grpo by the completions (each a token mean),
+dr_grpo by the completions times ``max_completion_length``, so splitting the same step over more processes or
+micro-batches gives the same gradient. bnpo is by definition the mean over
 micro-batches of each micro-batch's token mean (TRL: "normalization is performed over the local batch only"):
 it alone depends on the split; dapo is its split-free form.
 
 Old log-probabilities (the ratio's denominator) are recorded before the first update by a forward pass of the
 training model itself, without gradients, on the same micro-batches (so they equal the first update's within
-rounding); with ``grpo.iterations`` 1 the first update is the only one and the ratio is exactly 1, as in TRL,
-which then skips that pass. Dropout is switched off: the log-probabilities at sampling, the reference's and the
+rounding); with ``grpo.iterations`` and ``grpo.generation_steps`` 1 the first update is the only one and the
+ratio is exactly 1, as in TRL, which then skips that pass. Dropout is switched off: the log-probabilities at sampling, the reference's and the
 training forward's must be of one function. The reference (``grpo.beta`` > 0) is DPO's: a frozen copy of the
 starting weights, or the trained model with its adapter off under peft.
 
@@ -45,7 +47,8 @@ Metrics follow TRL's names: ``reward``, ``reward_std``, ``rewards/NAME/mean`` an
 token within ``max_completion_length``), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, ``entropy`` (the
 mean over trained completion tokens of the entropy of the distribution they were sampled from, the logits over the
 temperature, read in the update's forward) and ``kl`` with a reference; each over the whole step (all processes),
-then averaged over the log window.
+then averaged over the log window. Each training record also holds ``examples``: the logged step's first prompt
+and a few of its sampled completions, as text, with their rewards and advantages (TRL's ``log_completions``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from framework.tasks.language import IGNORE
 # ordering reads them) and the row's index in the dataset.
 PROMPT_IDS, INDEX = "input_ids", "grpo_index"
 STD_EPSILON = 1e-4  # TRL's: advantages are divided by std + 1e-4
+EXAMPLES = 4  # completions of a step's first prompt its log record shows
 
 
 @dataclass
@@ -112,6 +116,13 @@ class GrpoConfig:
     iterations: int = field(default=1, metadata={"ge": 1})
     """Updates on each step's rollouts (GRPO's mu; TRL's num_iterations): the optimizer steps this many times per
     loop step, on the same completions, and the learning-rate schedule advances with each (as TRL's)."""
+    generation_steps: int = field(default=1, metadata={"ge": 1})
+    """Optimizer steps each generation feeds: the step's prompts (``train.batch_size`` x
+    ``train.gradient_accumulation_steps`` per process) are generated for at once, then learnt from in this many
+    optimizer steps, each on an equal share of its micro-batches (it must divide the accumulation steps); the later
+    shares are slightly off-policy, their ratio against the log-probabilities at sampling. TRL's
+    ``steps_per_generation`` counts micro-batches: it is ``train.gradient_accumulation_steps`` here, and TRL's
+    ``gradient_accumulation_steps`` that over this."""
     beta: float = field(default=0.0, metadata={"ge": 0.0})
     """Weight of the KL penalty against the reference model (0: no reference is kept)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -185,6 +196,12 @@ def normaliser(mask: torch.Tensor, g: GrpoConfig):
     return 1 if g.loss == "bnpo" else mask.shape[0]
 
 
+def share_normaliser(generation, g: GrpoConfig):
+    """What each optimizer step's loss sum is divided by: its share of the generation's normaliser (summed over
+    its micro-batches and processes), as TRL divides by the generation's over ``steps_per_generation``."""
+    return generation / g.generation_steps
+
+
 class _Tempered(torch.nn.Module):
     """The output head with its logits divided by the temperature (the chunked loss calls it chunk by chunk)."""
 
@@ -229,6 +246,11 @@ class GRPO(CausalLM):
                 problems.append(f"grpo.regex: {g.regex!r} is not a regular expression ({e})")
             if not g.regex:
                 problems.append("grpo.regex: the regex reward function needs the expression completions must match")
+        accumulation = cfg.train.gradient_accumulation_steps
+        if accumulation % g.generation_steps:
+            problems.append(f"grpo.generation_steps: {g.generation_steps} optimizer steps cannot share the "
+                            f"generation's {accumulation} micro-batches (train.gradient_accumulation_steps) equally; "
+                            "make it divide them")
         if cfg.data.streaming:
             problems.append("data.streaming: grpo reads its prompts from memory for now (each prompt's index keys "
                             "its sampling); set data.streaming=false")
@@ -322,7 +344,10 @@ class GRPO(CausalLM):
         return GrpoStep()
 
     def updates_per_step(self, cfg) -> int:
-        return cfg.grpo.iterations
+        return cfg.grpo.iterations * cfg.grpo.generation_steps
+
+    def micro_batches_per_update(self, cfg) -> int:
+        return cfg.train.gradient_accumulation_steps // cfg.grpo.generation_steps
 
     # ------------------------------------------------------------ data
 
@@ -373,6 +398,21 @@ class GRPO(CausalLM):
         if message:
             raise UserError(message)
         return scores
+
+    def examples(self, prompts: List[List[int]], completions: List[List[int]], per_function: torch.Tensor,
+                 advantage: torch.Tensor) -> List[Dict[str, object]]:
+        """The step's first prompt and up to ``EXAMPLES`` of its completions, as text, each with its reward (weighted,
+        and per function: None where a function skipped it) and advantage: what the log shows of the step."""
+        def number(value: float) -> Optional[float]:  # float32's 7 digits (JSON has no NaN)
+            return None if np.isnan(value) else float(f"{value:.7g}")
+
+        shown = min(self.grpo.num_generations, EXAMPLES)
+        total = weighted_rewards(per_function[:shown], self.weights()).tolist()
+        prompt = self.run_tokenizer.decode(prompts[0])
+        return [{"prompt": prompt, "completion": self.run_tokenizer.decode(completions[j]), "reward": number(total[j]),
+                 "advantage": number(float(advantage[j])),
+                 "rewards": {f.name: number(v) for f, v in zip(self.rewards, per_function[j].tolist())}}
+                for j in range(shown)]
 
     def weights(self) -> torch.Tensor:
         w = self.grpo.reward_weights
@@ -493,7 +533,8 @@ def rollout_batch(prompts: List[List[int]], completions: List[List[int]], advant
 
 
 class GrpoStep:
-    """One optimizer step of GRPO (module docstring): sample, score, then ``grpo.iterations`` updates."""
+    """One step of GRPO (module docstring): sample, score, then ``grpo.iterations`` x ``grpo.generation_steps``
+    updates."""
 
     def __call__(self, run, batches: List[Dict]) -> StepResult:
         task, acc = run.task, run.accelerator
@@ -526,11 +567,13 @@ class GrpoStep:
         counts = [normaliser(r["targets"] != IGNORE, g) for r in rollouts]
         total = backend.total_over_processes(acc, sum(counts))
         total = total.clamp(min=1) if isinstance(total, torch.Tensor) else max(total, 1)
-        # As the supervised step's: accelerate divides by the accumulation steps and DDP averages over processes.
-        scale = acc.num_processes * len(rollouts) / total
+        # Each optimizer step divides by its share of the generation's normaliser (TRL's dapo: the generation's
+        # tokens over its steps). As the supervised step's scale: accelerate divides by the micro-batches of an
+        # update and DDP averages over processes.
+        scale = acc.num_processes * (len(rollouts) // g.generation_steps) / share_normaliser(total, g)
         with torch.no_grad():
             for r in rollouts:
-                if g.iterations > 1:  # the ratio's denominator, before any update changes the model
+                if g.iterations > 1 or g.generation_steps > 1:  # the ratio's denominator, before any update
                     r["old"] = task.token_logprobs(run.model, r)
                 if g.beta > 0:
                     r["ref"] = task.reference_logprobs(run.model, r)
@@ -559,8 +602,9 @@ class GrpoStep:
         # not model FLOPs of training. Micro-steps: the step's micro-batches once (the loop counts its samples by
         # them), however many times each is updated on.
         lengths = torch.cat([r["attention_mask"].sum(dim=1) for r in rollouts])
+        examples = task.examples(prompts, completions, per_function, advantage) if acc.is_main_process else []
         return StepResult(loss, sum(counts) * g.iterations, lengths.sum() * g.iterations,
-                          (lengths * lengths).sum() * g.iterations, len(rollouts), metrics)
+                          (lengths * lengths).sum() * g.iterations, len(rollouts), metrics, examples)
 
 
 def update_sums(ratio: torch.Tensor, kl: Optional[torch.Tensor], entropy: torch.Tensor, advantage: torch.Tensor,
