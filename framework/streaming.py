@@ -62,19 +62,21 @@ def check_sources(cfg: RunConfig, columns: Dict[str, str]) -> None:
         data.check_columns(list(first), columns, name, {c: data.value_kind(v) for c, v in first.items()})
 
 
-def rows(cfg: RunConfig, columns: Dict[str, str], keep_row, epoch: int, evaluation: bool):
+def rows(cfg: RunConfig, columns: Dict[str, str], keep_row, epoch: int, evaluation: bool, keep_all: bool = False):
     """The usable rows of the training sources for ``epoch`` (files reordered, sources mixed), or, with
-    ``evaluation``, of the eval stream: the eval file, or the rows held out of the training sources."""
+    ``evaluation``, of the eval stream: the eval file, or the rows held out of the training sources. They keep
+    only the task's ``columns`` unless ``keep_all`` (``Task.keeps_other_columns``)."""
     d, names = cfg.data, list(columns.values())
+    select = (lambda stream: stream) if keep_all else (lambda stream: stream.select_columns(names))  # noqa: E731
     is_eval = None if d.eval_file or (d.dataset and d.eval_split) else held_out(names, cfg.seed, d.eval_fraction)
     if evaluation and is_eval is None:
-        stream = data.read_eval(d, streaming=True)[0].select_columns(names)
+        stream = select(data.read_eval(d, streaming=True)[0])
         return stream.filter(keep_row) if keep_row else stream
     shuffle = np.random.default_rng([cfg.seed, epoch]).permutation
     parts, weights = [], []
     for prefix, source in data.train_sources(d):
         reorder = lambda paths: [paths[i] for i in shuffle(len(paths))]  # noqa: E731
-        stream = data.read_source(prefix, source, d, streaming=True, order=reorder)[0].select_columns(names)
+        stream = select(data.read_source(prefix, source, d, streaming=True, order=reorder)[0])
         if keep_row:
             stream = stream.filter(keep_row)
         if is_eval is not None:
@@ -89,7 +91,7 @@ def train_stream(cfg: RunConfig, task, tokenizer, model, rank: int, world: int) 
     columns, keep_row = task.columns(cfg), task.keep_row(cfg)
 
     def make(epoch: int) -> datasets.IterableDataset:
-        stream = rows(cfg, columns, keep_row, epoch, evaluation=False)
+        stream = rows(cfg, columns, keep_row, epoch, evaluation=False, keep_all=task.keeps_other_columns)
         if cfg.data.max_train_samples:
             stream = stream.take(cfg.data.max_train_samples)
         return task.prepare(split_dataset_by_node(stream, rank, world), tokenizer, model, cfg)
@@ -98,7 +100,7 @@ def train_stream(cfg: RunConfig, task, tokenizer, model, rank: int, world: int) 
 
 def eval_set(cfg: RunConfig, task, tokenizer, model, rows_per_batch: int) -> datasets.Dataset:
     """The first ``eval.batches`` batches of the eval stream, as features in memory (the same on every process)."""
-    stream = rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=True)
+    stream = rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=True, keep_all=task.keeps_other_columns)
     if cfg.data.max_eval_samples:
         stream = stream.take(cfg.data.max_eval_samples)
     wanted = (cfg.eval.batches or DEFAULT_EVAL_BATCHES) * rows_per_batch

@@ -39,3 +39,14 @@ def fails_on_the_second_process(prompts, completions, completion_ids, **columns)
     if os.environ.get("RANK") == "1":
         raise RuntimeError("no answer key on this process")
     return [0.0] * len(completions)
+
+
+def recorded(prompts, completions, completion_ids, **columns):
+    """``characters``, recording each prompt with its completion's token ids (one JSON line each) in the file
+    $GRPO_RECORD.RANK; it reads the ``rejected`` column, which no built-in reward asks for."""
+    import json
+
+    with open(f"{os.environ['GRPO_RECORD']}.{os.environ.get('RANK', '0')}", "a") as f:
+        for prompt, ids, rejected in zip(prompts, completion_ids, columns["rejected"]):
+            f.write(json.dumps([prompt, rejected, list(ids)]) + "\n")
+    return characters(prompts, completions, completion_ids)

@@ -329,11 +329,60 @@ def test_a_reward_function_failing_on_one_machine_stops_the_other(hf_home, pair_
     assert not (out / "summary.json").exists()
 
 
-def test_streaming_prompts_are_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path):
-    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "data.streaming=true",
-                                  "train.max_steps=2"), hf_home)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "data.streaming: grpo reads its prompts from memory for now" in proc.stderr
+# Streamed prompts: the first 40 training rows (one epoch at 4 prompts a step on one process or 2 on each of two),
+# each process reading its own share in its own shuffled order.
+STREAM = ["data.streaming=true", "data.max_train_samples=40", "data.shuffle_buffer=16", "train.max_steps=10"]
+
+
+def recorded_draws(out: Path) -> dict:
+    """Each prompt's completions (sorted token ids) as ``grpo_rewards.recorded`` wrote them, all processes."""
+    import json
+
+    draws: dict = {}
+    for path in out.parent.glob(out.name + ".*"):
+        for line in path.read_text().splitlines():
+            prompt, _, ids = json.loads(line)
+            draws.setdefault(prompt, []).append(ids)
+    return {prompt: sorted(ids) for prompt, ids in draws.items()}
+
+
+@pytest.mark.multiprocess
+def test_streamed_prompts_draw_by_row_not_by_process(cli, hf_home, pair_tokenizer, pair_data, tmp_path, monkeypatch):
+    """data.streaming: the rows' other columns reach the reward functions, and each row's completions are keyed by
+    its content, not by its place in a process's share: with weights that do not move (an SGD step of 1e-30 is
+    below an fp32 weight's rounding), one process and two, each reading its share of the stream in its own
+    shuffled order, draw the same completions of every prompt over the epoch."""
+    draws = {}
+    for name, launch, batch in (("one", None, 4), ("two", "cpu_ddp.yaml", 2)):
+        record = tmp_path / f"{name}.jsonl"
+        monkeypatch.setenv("GRPO_RECORD", str(record))
+        args = grpo_args(pair_tokenizer, pair_data, tmp_path / name, *STREAM, f"train.batch_size={batch}",
+                         "optim.name=sgd", "optim.lr=1e-30", f"grpo.reward_functions=[{GRPO_REWARDS}:recorded]")
+        if launch is None:
+            assert run_main(args, hf_home) == 0
+        else:
+            cli(args, launch=launch)
+        draws[name] = recorded_draws(record)
+    # The held-out prompts' greedy completions are recorded too (as often as each process evaluates them).
+    trained = {name: {p: ids for p, ids in d.items() if len(ids) == 4} for name, d in draws.items()}
+    assert len(trained["one"]) == 40 and trained["one"] == trained["two"]
+    assert len({tuple(map(tuple, ids)) for ids in trained["one"].values()}) > 30  # the prompts draw apart
+
+
+def test_a_killed_streamed_run_resumes_bitwise(hf_home, pair_tokenizer, pair_data, tmp_path):
+    """The stream's position and buffer, and the sampling keyed by row: killed after step 5's checkpoint, the same
+    command ends with the uninterrupted run's weights and logged losses, to the last bit."""
+    from helpers import assert_bitwise_equal_models, crash_then_resume, losses_by_step
+
+    args = [*STREAM, "checkpoint.every_steps=5", "train.log_every=2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main(grpo_args(pair_tokenizer, pair_data, whole, *args), hf_home) == 0
+    proc = crash_then_resume(hf_home, grpo_args(pair_tokenizer, pair_data, resumed, *args), kill_at_micro=8)
+    assert "resuming from" in proc.stdout and "step_5" in proc.stdout
+    assert_bitwise_equal_models(whole, resumed)
+    assert losses_by_step(resumed) == losses_by_step(whole)
+    assert [r["reward"] for r in read_metrics(resumed) if "reward" in r] == \
+        [r["reward"] for r in read_metrics(whole) if "reward" in r]
 
 
 def lora_prompts(tmp_path: Path) -> Path:

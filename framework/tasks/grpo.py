@@ -18,7 +18,9 @@ reports their mean reward.
 The epoch stands in the sampling key where the step could: within an epoch each prompt index comes at most once,
 so (epoch, index) names one draw as (step, index) would, and the collator knows the epoch (the loop sets it,
 on a resume too) where nothing in a step knows the step's number. A mix of sources (``data.sources``) that
-repeats a row within an epoch draws the same completions for its repeats.
+repeats a row within an epoch draws the same completions for its repeats. Streamed prompts (``data.streaming``)
+have no index independent of the process count: a hash of the row's columns stands in for it (``row_key``), with
+the epoch each process counts.
 
 The loss is TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level
 importance sampling, two-sided clipping with ``epsilon``/``epsilon_high``, the k3 KL estimate against the
@@ -54,9 +56,12 @@ and a few of its sampled completions, as text, with their rewards and advantages
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
+import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -251,9 +256,6 @@ class GRPO(CausalLM):
             problems.append(f"grpo.generation_steps: {g.generation_steps} optimizer steps cannot share the "
                             f"generation's {accumulation} micro-batches (train.gradient_accumulation_steps) equally; "
                             "make it divide them")
-        if cfg.data.streaming:
-            problems.append("data.streaming: grpo reads its prompts from memory for now (each prompt's index keys "
-                            "its sampling); set data.streaming=false")
         return problems
 
     def metric_names(self):
@@ -353,14 +355,17 @@ class GRPO(CausalLM):
 
     def prepare(self, ds, tokenizer, model, cfg):
         """Rows -> their columns as they are, the prompt's token ids (the last ``data.max_length``) and the row's
-        index in the dataset (part of its sampling key)."""
+        key in its sampling key: its index in the dataset, or in a stream (whose positions depend on the process
+        count), a hash of the row's content."""
         column, length = cfg.grpo.prompt_column, cfg.data.max_length
+        streamed = isinstance(ds, datasets.IterableDataset)
 
         def tokenize(batch, indices):
             out = dict(batch)
             out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"grpo.prompt_column: the prompt {chat.snippet(prompt)}")
                                [-length:] for prompt in batch[column]]
-            out[INDEX] = indices
+            out[INDEX] = [row_key({k: v[i] for k, v in batch.items()}) for i in range(len(indices))] if streamed \
+                else indices
             return out
 
         identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, column, length, PROMPT_IDS, INDEX)
@@ -478,6 +483,13 @@ class GRPO(CausalLM):
         reward = weighted_rewards(self.score([PromptCollator.columns(row)], [completion]), self.weights())
         return {"prompt": tokenizer.decode(row[PROMPT_IDS]), "generated": tokenizer.decode(completion),
                 "reward": f"{float(reward[0]):.4g}"}
+
+
+def row_key(row: Dict) -> int:
+    """A streamed row's stand-in for its index: 63 bits of a hash of its columns, so that whichever process reads
+    it, it draws the same completions (rows repeated within an epoch draw the same ones, as repeated sources')."""
+    text = json.dumps(row, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def prompt_ids(tokenizer, prompt, where: str) -> List[int]:
