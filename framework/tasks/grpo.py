@@ -544,6 +544,16 @@ def rollout_batch(prompts: List[List[int]], completions: List[List[int]], advant
             "targets": targets.to(device), "advantages": advantage.to(device)}
 
 
+def generation_batch(task: GRPO, batches: List[Dict]):
+    """A step's generation: each prompt of its micro-batches ``grpo.num_generations`` times, and each completion
+    row's sampling seed (keyed by the seed, epoch, prompt index and completion number)."""
+    group = task.grpo.num_generations
+    prompts = [ids for batch in batches for ids in batch["prompt_ids"] for _ in range(group)]
+    seeds = [sampling.row_seed(task.seed, batch["epoch"], index, j)
+             for batch in batches for index in batch["index"] for j in range(group)]
+    return prompts, seeds
+
+
 class GrpoStep:
     """One step of GRPO (module docstring): sample, score, then ``grpo.iterations`` x ``grpo.generation_steps``
     updates."""
@@ -551,9 +561,7 @@ class GrpoStep:
     def __call__(self, run, batches: List[Dict]) -> StepResult:
         task, acc = run.task, run.accelerator
         g, group = task.grpo, task.grpo.num_generations
-        prompts = [ids for batch in batches for ids in batch["prompt_ids"] for _ in range(group)]
-        seeds = [sampling.row_seed(task.seed, batch["epoch"], index, j)
-                 for batch in batches for index in batch["index"] for j in range(group)]
+        prompts, seeds = generation_batch(task, batches)
         with backend.generating(acc, run.model, run.mesh) as model:
             completions = sampling.generate(model, prompts, seeds, task.sampling, synced=task.synced)
         per_function = task.score_together([row for batch in batches for row in batch["rows"] for _ in range(group)],
