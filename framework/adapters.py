@@ -21,6 +21,7 @@ from framework import hub
 from framework.errors import UserError
 
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
+CONV1D = "_framework_conv1d"  # marks a 4-bit layer that was a transformers Conv1D (its weight transposed)
 NO_4BIT_ON_XLA = ("peft.quantize: 4-bit weights need bitsandbytes kernels, which XLA lacks; use LoRA without "
                   "quantize on XLA (peft.quantize=null)")
 
@@ -95,28 +96,55 @@ def _kept_in_full(model: torch.nn.Module, modules_to_save: List[str]) -> set:
 
 
 def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
-    """Replace every ``nn.Linear`` (except ``keep``) by a bitsandbytes NF4 ``Linear4bit`` holding the same
-    weights quantized (what transformers' ``load_in_4bit`` does while loading); computation stays in the
-    weights' own precision."""
+    """Replace every ``nn.Linear`` and transformers ``Conv1D`` (GPT-2's, a linear layer with its weight
+    transposed) except ``keep`` by a bitsandbytes NF4 ``Linear4bit`` holding the same weights quantized (what
+    transformers' ``load_in_4bit`` does while loading); computation stays in the weights' own precision. A layer
+    that was a ``Conv1D`` is marked (``CONV1D``), so that ``merged`` gives it back its own layout."""
     try:
         import bitsandbytes as bnb
     except ImportError:
         raise UserError("peft.quantize: 4-bit weights need bitsandbytes, which is not installed; "
                         "`pip install bitsandbytes` or set peft.quantize=null") from None
+    from transformers.pytorch_utils import Conv1D
+
+    quantized_any = False
     for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear) or name in keep:
+        conv1d = isinstance(module, Conv1D)
+        if not (isinstance(module, torch.nn.Linear) or conv1d) or name in keep:
             continue
-        weight = module.weight
-        quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+        weight = module.weight.t() if conv1d else module.weight  # Conv1D's is (in, out)
+        out_features, in_features = weight.shape
+        quantized = bnb.nn.Linear4bit(in_features, out_features, bias=module.bias is not None,
                                       compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+        setattr(quantized, CONV1D, conv1d)
         # On a CPU with AVX512-bf16, bitsandbytes (0.50) repacks a layer in place into an inference-only layout
         # at its first forward without gradients (our evaluation), keeps that layout when training resumes,
         # and fails for layers narrower than its 64-value blocks. One layout, the one training reads, on every CPU.
         quantized.support_avx512bf16_for_cpu = False
-        quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4").to(weight.device)
+        quantized.weight = bnb.nn.Params4bit(weight.data.contiguous(), requires_grad=False,
+                                             quant_type="nf4").to(weight.device)
         if module.bias is not None:
             quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        quantized._register_load_state_dict_pre_hook(_check_quantization_state, with_module=True)
         model.set_submodule(name, quantized)
+        quantized_any = True
+    if not quantized_any:
+        raise UserError(f"peft.quantize: {type(model).__name__} has no linear layer to quantize beyond its output "
+                        "layer and the ones trained in full; set peft.quantize=null")
+
+
+def _check_quantization_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+    """A 4-bit layer's load from a checkpoint (a resume): bitsandbytes writes the weight's quantization state
+    (``weight.absmax``, ``weight.quant_map``, ...) beside it, and no layer loads it back (unexpected keys). This run
+    quantized the same base weights when it started: the state is taken out, after checking it is the one this
+    layer holds (else the base weights are not those the checkpoint trained on)."""
+    stem = prefix + "weight."
+    saved = {key[len(stem):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(stem)}
+    own = module.weight.quant_state.as_dict(packed=True)
+    if saved and (saved.keys() != own.keys() or not all(torch.equal(saved[k].cpu(), own[k].cpu()) for k in own)):
+        raise UserError(f"resume: the checkpoint's 4-bit layer {prefix.rstrip('.')} was quantized from other base "
+                        "weights than model.name_or_path's now; resume with the model the run started from")
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -183,8 +211,14 @@ def merged(model: torch.nn.Module, state_dict: Optional[Dict[str, torch.Tensor]]
         if base is not module:  # an adapted layer: its update added in
             for adapter in module.active_adapters:
                 weight = weight + module.get_delta_weight(adapter).to(torch.float32)
-        linear = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
-        linear.weight.data = weight
+        if getattr(base, CONV1D, False):
+            from transformers.pytorch_utils import Conv1D
+
+            linear = Conv1D(base.out_features, base.in_features)
+            linear.weight.data = weight.t().contiguous()
+        else:
+            linear = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+            linear.weight.data = weight
         if base.bias is not None:
             linear.bias.data = base.bias.data.to(torch.float32)
         model.set_submodule(name, linear)

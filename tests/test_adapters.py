@@ -112,6 +112,31 @@ def test_merged_model_loads_in_a_pipeline_and_equals_the_adapted_one(hf_home, ti
     assert {r["label"] for r in classify(texts)} <= {"neg", "pos"}
 
 
+def test_a_qlora_checkpoint_loads_only_onto_the_base_it_was_quantized_from(pretrained_lm):
+    """A 4-bit layer's checkpointed quantization state (bitsandbytes writes it; no layer loads it) is set aside
+    on load when its scales are the layer's own, and refused naming the layer and the key when the base differs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from framework import adapters
+    from framework.errors import UserError
+
+    def adapted(scale: float):
+        base = AutoModelForCausalLM.from_pretrained(pretrained_lm)
+        with torch.no_grad():
+            base.transformer.h[0].attn.c_attn.weight.mul_(scale)
+        adapters._quantize_4bit(base, adapters._kept_in_full(base, []))
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"]))
+
+    saved = adapted(1.0).state_dict()
+    assert any(key.endswith("c_attn.base_layer.weight.absmax") for key in saved)
+    result = adapted(1.0).load_state_dict(saved, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    with pytest.raises(UserError, match=r"resume: the checkpoint's 4-bit layer .*h\.0\.attn\.c_attn\.base_layer "
+                                        "was quantized from other base weights"):
+        adapted(1.5).load_state_dict(saved)
+
+
 def test_qlora_keeps_the_base_in_4_bits(hf_home, tiny_model, easy_data, tmp_path, capsys):
     full, quantized = tmp_path / "lora", tmp_path / "qlora"
     # lr 3e-2: at 1e-2 two epochs left the random tiny base at chance (eval loss 0.69 = ln 2), and the
@@ -150,11 +175,29 @@ def test_lora_causal_lm_resumes_bitwise_after_a_kill(hf_home, pretrained_lm, cor
     assert losses_by_step(whole) == losses_by_step(resumed)
 
 
-def test_lora_causal_lm_merges_into_a_text_generation_pipeline(hf_home, pretrained_lm, corpus, tmp_path, capsys):
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_lora_causal_lm_merges_into_a_text_generation_pipeline(hf_home, pretrained_lm, corpus, tmp_path, capsys,
+                                                               quantize):
+    """GPT-2's linear layers are transformers Conv1D (weights transposed): QLoRA quantizes them too, and the merged
+    model gives them back their layout; it computes what the adapted model does (on the dequantized weights)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from framework import adapters
+
     out = tmp_path / "lora"
     args = lora_lm_args(pretrained_lm, corpus, out, "train.epochs=3", "peft.merge=true", "optim.lr=1e-2",
-                        "eval.prompt=the cat")
+                        "eval.prompt=the cat", *(["peft.quantize=4bit"] if quantize else []))
     assert run_main(args, hf_home) == 0
+    base = AutoModelForCausalLM.from_pretrained(pretrained_lm)
+    if quantize:
+        adapters._quantize_4bit(base, adapters._kept_in_full(base, []))
+        assert sum(type(m).__name__ == "Linear4bit" for m in base.modules()) == 2 * 4  # 4 Conv1D a block
+    adapted = PeftModel.from_pretrained(base, out / "model" / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    batch = AutoTokenizer.from_pretrained(out / "model")(["the king sat on a mat"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, adapted(**batch).logits, rtol=1e-4, atol=1e-5)
     capsys.readouterr()
     losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
     assert losses[-1] < losses[0]

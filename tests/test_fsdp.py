@@ -448,16 +448,18 @@ def test_fsdp2_with_activation_checkpointing_on_the_tied_llama_trains_what_one_p
 
 
 @pytest.mark.slow
-def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_process, tmp_path):
+def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, hf_home, corpus, llama_one_process, tmp_path):
     """peft.quantize=4bit (NF4 bitsandbytes Linear4bit) on the tiny tied Llama under FSDP2: accelerate 1.15 leaves the
     frozen uint8 Params4bit out of fully_shard (its DTensor conversion would drop their quant_state; with a float
     quant_storage bitsandbytes then failed "quant_state is required", measured), so each process holds the whole
     4-bit base and FSDP2 shards the rest (the adapters, the embedding and the head tied to it, the norms). The
-    adapters train what DDP's do, bitwise on the CPU (as LoRA's: only the adapters' gradients are reduced)."""
+    adapters train what DDP's do, bitwise on the CPU (as LoRA's: only the adapters' gradients are reduced). Killed
+    after step 3's checkpoint, the same command resumes to the same adapters and losses, bitwise: the 4-bit layers'
+    quantization state in the checkpoint, which no layer loads, is checked against the layers' own and set aside."""
     common = ["--config", str(ROOT / "tests" / "tiny_lm.yaml"), "model.config=null",
               f"model.name_or_path={llama_one_process / 'model'}", f"data.train_file={corpus}", BACKEND, "peft.r=4",
               "peft.alpha=8", "peft.target_modules=all-linear", "peft.quantize=4bit", "train.max_steps=6",
-              "train.log_every=1", "train.cpu_threads=1"]
+              "train.log_every=1", "train.cpu_threads=1", "checkpoint.every_steps=3"]
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     proc = cli_module([*common, f"output_dir={fsdp}", "distributed.strategy=fsdp"], launch="fsdp.yaml",
                       launch_args=launch())
@@ -471,6 +473,13 @@ def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, corpus, llama_one_pr
     assert adapter.keys() == expected.keys() and any("lora_A" in k for k in adapter)
     for name in adapter:
         torch.testing.assert_close(adapter[name], expected[name], **exact, msg=lambda m: f"{name}: {m}")
+    resumed = tmp_path / "resumed"
+    proc = crash_then_resume(hf_home, [*common, f"output_dir={resumed}", "distributed.strategy=fsdp"],
+                             kill_at_micro=5, launch="fsdp.yaml", launch_args=launch())
+    assert "resuming from" in proc.stdout and "step_3" in proc.stdout
+    assert losses_by_step(resumed) == losses_by_step(fsdp)
+    again = load_file(resumed / "model" / "adapter_model.safetensors")
+    assert all(torch.equal(again[name], adapter[name]) for name in adapter)
     result = summary(fsdp)["memory"]
     # The 4-bit base is smaller than the fp32 layers it replaced, and held whole: more than half on each process.
     assert result["weight_bytes"] < summary(llama_one_process)["memory"]["weight_bytes"]

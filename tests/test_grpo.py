@@ -581,14 +581,15 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert "<h2>Examples from training</h2>" in page and page.count(html.escape(records[0]["examples"][0]["prompt"])) >= 1
 
 
-def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm, tmp_path, capsys):
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm, tmp_path, capsys, quantize):
     """Under peft no copy is made: the reference is the trained model with its adapter switched off. LoRA starts
     as the identity (B = 0), so the first step's policy is its reference (KL exactly 0); after an update it is
-    not. Generation goes through peft's model."""
+    not. Generation goes through peft's model; with QLoRA, through its 4-bit base weights."""
     from helpers import WORDS
 
     out = tmp_path / "out"
-    args = lora_args(pretrained_lm, lora_prompts(tmp_path), out)
+    args = lora_args(pretrained_lm, lora_prompts(tmp_path), out, *(["peft.quantize=4bit"] if quantize else []))
     assert run_main(args, hf_home) == 0
     s = summary(out)
     assert s["memory_plan"]["frozen_model_bytes"] == 0 and s["memory"]["trainable_parameters"] < 10_000
