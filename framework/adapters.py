@@ -125,7 +125,7 @@ def _quantize_4bit(model: torch.nn.Module, keep: set) -> None:
                                              quant_type="nf4").to(weight.device)
         if module.bias is not None:
             quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
-        quantized._register_load_state_dict_pre_hook(_check_quantization_state, with_module=True)
+        quantized.register_load_state_dict_pre_hook(_check_quantization_state)
         model.set_submodule(name, quantized)
         quantized_any = True
     if not quantized_any:
@@ -139,12 +139,20 @@ def _check_quantization_state(module, state_dict, prefix, local_metadata, strict
     (``weight.absmax``, ``weight.quant_map``, ...) beside it, and no layer loads it back (unexpected keys). This run
     quantized the same base weights when it started: the state is taken out, after checking it is the one this
     layer holds (else the base weights are not those the checkpoint trained on)."""
-    stem = prefix + "weight."
+    stem, layer = prefix + "weight.", prefix.rstrip(".")
     saved = {key[len(stem):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(stem)}
-    own = module.weight.quant_state.as_dict(packed=True)
-    if saved and (saved.keys() != own.keys() or not all(torch.equal(saved[k].cpu(), own[k].cpu()) for k in own)):
-        raise UserError(f"resume: the checkpoint's 4-bit layer {prefix.rstrip('.')} was quantized from other base "
-                        "weights than model.name_or_path's now; resume with the model the run started from")
+    weight = state_dict.get(prefix + "weight")
+    if not saved:
+        if weight is not None and weight.dtype != module.weight.dtype:
+            raise UserError(f"resume: the checkpoint's layer {layer} is not 4-bit (a framework before QLoRA "
+                            "quantized GPT-2's Conv1D layers wrote it); start a new run (overwrite=true)")
+        return
+    own = getattr(module.weight, "quant_state", None)
+    own = own.as_dict(packed=True) if own is not None else {}
+    if saved.keys() != own.keys() or not all(torch.equal(saved[k].cpu(), own[k].cpu()) for k in own):
+        raise UserError(f"resume: the checkpoint's 4-bit layer {layer} differs from the one quantized from "
+                        "model.name_or_path now (other base weights, or another device or bitsandbytes version "
+                        "quantizing them); resume with the model and machine the run started on")
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:

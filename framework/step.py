@@ -21,7 +21,7 @@ Count = Union[int, torch.Tensor]  # a host number, or a device scalar read only 
 
 @dataclass
 class StepResult:
-    """What one optimizer step did on this process; the loop's loss window sums it and reads it at log steps."""
+    """What one step of the loop did on this process; the loop's loss window sums it and reads it at log steps."""
 
     loss_sum: torch.Tensor  # the loss summed over the step's targets (the sum its logged mean divides)
     targets: Count  # what the loss sum is normalised by (examples, or target tokens)
@@ -38,7 +38,8 @@ class StepResult:
 
 class Step(Protocol):
     def __call__(self, run: "Run", batches: List[Dict[str, torch.Tensor]]) -> StepResult:
-        """One optimizer step over ``batches`` (``train.gradient_accumulation_steps`` micro-batches)."""
+        """One step of the loop over ``batches`` (``train.gradient_accumulation_steps`` micro-batches): one
+        optimizer step, or as many as the task's ``updates_per_step``."""
 
 
 def real_tokens(batch: Dict[str, torch.Tensor]) -> tuple:

@@ -121,6 +121,18 @@ def _read(stream, name: str):
         raise UserError(f"{name}: cannot read it: {data.root_cause(e)}") from None
 
 
+def _compact(value):
+    """A list of integers (token ids) as an array, a quarter of a Python list's memory; anything else as it is
+    (a conversation, strings, floats: an array would change them, and a checkpoint stores them in JSON)."""
+    if not isinstance(value, list):
+        return value
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged
+        return value
+    return array if array.dtype.kind in "iub" else value
+
+
 class StreamLoader:
     """Endless batches (on ``device``) from ``make(epoch)``'s streams, one epoch after the other: an epoch's
     last incomplete batch is dropped. ``state_dict``/``load_state_dict``: the exact position."""
@@ -175,10 +187,9 @@ class StreamLoader:
                 yield send_to_device(batch, self.device)
 
     def _examples(self):
-        """The stream's examples in buffer-shuffled order; the buffer holds arrays (a list of Python ints
-        takes four times the memory)."""
+        """The stream's examples in buffer-shuffled order; the buffer holds token ids as arrays (``_compact``)."""
         for example in _read(self._stream, "the training stream"):
-            self._buffer.append({k: np.asarray(v) if isinstance(v, list) else v for k, v in example.items()})
+            self._buffer.append({k: _compact(v) for k, v in example.items()})
             if len(self._buffer) >= self.buffer_size:
                 yield self._draw()
         while self._buffer:

@@ -129,9 +129,15 @@ def setup(cfg: RunConfig) -> Run:
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type,
                                 dtensors=backend.has_dtensor_parameters(accelerator))
     model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
+    if accelerator.gradient_accumulation_steps != task.micro_batches_per_update(cfg):
+        # accelerate takes a DeepSpeed config file's own value over the run's (with a warning only).
+        raise UserError(f"train.gradient_accumulation_steps: the launch's DeepSpeed config accumulates "
+                        f"{accelerator.gradient_accumulation_steps} micro-batches per update, this run "
+                        f"{task.micro_batches_per_update(cfg)}; set gradient_accumulation_steps to auto in the "
+                        "DeepSpeed config file, or remove it there")
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
-    # One schedule step per weight update: a step of grpo updates grpo.iterations times.
+    # One schedule step per weight update: a step of grpo updates grpo.iterations x grpo.generation_steps times.
     # prepare_scheduler, not prepare: under DeepSpeed, prepare() of a scheduler alone returns it unregistered, so
     # checkpoints lacked its state (a resume restarted the warmup).
     scheduler = accelerator.prepare_scheduler(
@@ -350,7 +356,8 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         step_batches = []
         if skips is None or not skips.in_step:
             window.add(result)
-        else:  # its loss is not finite: kept out of the logged mean
+        else:  # its loss is not finite: kept out of the logged mean, its examples not shown
+            window.examples = []
             reporter.print(f"warning: step {state.step + 1} skipped: its gradient norm is not finite (train.on_"
                            f"nonfinite: skip; {skips.in_a_row} in a row, {skips.total} in all)")
         if skips is not None:

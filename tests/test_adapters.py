@@ -114,7 +114,7 @@ def test_merged_model_loads_in_a_pipeline_and_equals_the_adapted_one(hf_home, ti
 
 def test_a_qlora_checkpoint_loads_only_onto_the_base_it_was_quantized_from(pretrained_lm):
     """A 4-bit layer's checkpointed quantization state (bitsandbytes writes it; no layer loads it) is set aside
-    on load when its scales are the layer's own, and refused naming the layer and the key when the base differs."""
+    on load when it is the layer's own, and refused naming the layer when the base differs."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +133,7 @@ def test_a_qlora_checkpoint_loads_only_onto_the_base_it_was_quantized_from(pretr
     result = adapted(1.0).load_state_dict(saved, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     with pytest.raises(UserError, match=r"resume: the checkpoint's 4-bit layer .*h\.0\.attn\.c_attn\.base_layer "
-                                        "was quantized from other base weights"):
+                                        "differs from the one quantized from model.name_or_path now"):
         adapted(1.5).load_state_dict(saved)
 
 

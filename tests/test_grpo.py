@@ -209,6 +209,59 @@ def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tok
     assert worst <= 1e-5
 
 
+def test_each_optimizer_step_of_a_generation_divides_by_its_share(hf_home, pair_tokenizer, pair_data, tmp_path,
+                                                                 monkeypatch):
+    """grpo.generation_steps=2 over 4 micro-batches (dapo): the first optimizer step's gradient, as the optimizer
+    receives it, is the gradient of its 2 micro-batches' summed token losses over half the generation's completion
+    tokens (TRL's normaliser), computed here by hand on a copy of the starting model, within 1e-6."""
+    import copy
+
+    from framework import train
+    from framework.config import load_config
+    from framework.tasks.grpo import token_losses
+
+    cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "grpo.generation_steps=2",
+                                           "train.gradient_accumulation_steps=4", "train.batch_size=2",
+                                           "train.max_grad_norm=null")[2:])
+    with fresh_process(hf_home):
+        run = train.setup(cfg)
+        model = run.accelerator.unwrap_model(run.model)
+        start = copy.deepcopy(model)
+        recorded, forward = [], run.task.token_logprobs
+
+        def recording(model, batch, with_entropy=False):
+            if not torch.is_grad_enabled():  # the old log-probabilities' pass: each micro-batch once, in order
+                recorded.append(batch)
+            return forward(model, batch, with_entropy)
+
+        received, optimizer_step = [], run.optimizer.step
+
+        def receiving(*args, **kwargs):  # called at every micro-batch; it steps where accumulation ends
+            if not received and run.accelerator.sync_gradients:
+                received.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return optimizer_step(*args, **kwargs)
+
+        monkeypatch.setattr(run.task, "token_logprobs", recording)
+        monkeypatch.setattr(run.optimizer, "step", receiving)
+        batches = iter(run.data.train_dl)
+        run.model.train()
+        run.step(run, [next(batches) for _ in range(4)])
+        assert len(recorded) == 4
+        tokens = sum(int((r["targets"] != -100).sum()) for r in recorded)
+        loss = 0
+        for r in recorded[:2]:
+            mask = (r["targets"] != -100).float()
+            per_token, _, _ = token_losses(forward(start, r), r["old"], None, r["advantages"], run.task.grpo)
+            loss = loss + (per_token * mask).sum()
+        (loss / (tokens / 2)).backward()
+    expected = {n: p.grad for n, p in start.named_parameters() if p.grad is not None}
+    assert expected.keys() == received[0].keys()
+    worst = max((received[0][n] - expected[n]).abs().max().item() for n in expected)
+    largest = max(g.abs().max().item() for g in expected.values())
+    print(f"first optimizer step's gradient: max |diff| {worst:.1e} (largest {largest:.2e}, {tokens} tokens)")
+    assert worst <= 1e-6 and largest > 1e-3
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -329,6 +382,17 @@ def test_a_reward_function_failing_on_one_machine_stops_the_other(hf_home, pair_
     assert not (out / "summary.json").exists()
 
 
+def chat_prompts(pair_data: Path, tmp_path: Path) -> Path:
+    """The pairs' prompts as one-message conversations, with their answers."""
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": row["prompt"]}], "chosen": row["chosen"]}
+            for row in map(json.loads, pair_data.read_text().splitlines())]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
 # Streamed prompts: the first 40 training rows (one epoch at 4 prompts a step on one process or 2 on each of two),
 # each process reading its own share in its own shuffled order.
 STREAM = ["data.streaming=true", "data.max_train_samples=40", "data.shuffle_buffer=16", "train.max_steps=10"]
@@ -370,14 +434,17 @@ def test_streamed_prompts_draw_by_row_not_by_process(cli, hf_home, pair_tokenize
 
 
 def test_a_killed_streamed_run_resumes_bitwise(hf_home, pair_tokenizer, pair_data, tmp_path):
-    """The stream's position and buffer, and the sampling keyed by row: killed after step 5's checkpoint, the same
-    command ends with the uninterrupted run's weights and logged losses, to the last bit."""
+    """The stream's position and buffer (conversation prompts and strings in it, kept as JSON in the checkpoint),
+    and the sampling keyed by row: killed after step 5's checkpoint, the same command ends with the uninterrupted
+    run's weights and logged losses, to the last bit."""
     from helpers import assert_bitwise_equal_models, crash_then_resume, losses_by_step
 
-    args = [*STREAM, "checkpoint.every_steps=5", "train.log_every=2"]
+    data = chat_prompts(pair_data, tmp_path)
+    args = [*STREAM, "checkpoint.every_steps=5", "train.log_every=2", "data.chat_template=chatml",
+            "data.max_length=32"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    assert run_main(grpo_args(pair_tokenizer, pair_data, whole, *args), hf_home) == 0
-    proc = crash_then_resume(hf_home, grpo_args(pair_tokenizer, pair_data, resumed, *args), kill_at_micro=8)
+    assert run_main(grpo_args(pair_tokenizer, data, whole, *args), hf_home) == 0
+    proc = crash_then_resume(hf_home, grpo_args(pair_tokenizer, data, resumed, *args), kill_at_micro=8)
     assert "resuming from" in proc.stdout and "step_5" in proc.stdout
     assert_bitwise_equal_models(whole, resumed)
     assert losses_by_step(resumed) == losses_by_step(whole)
@@ -524,12 +591,8 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     scaling, truncated completions masked: it trains, logs TRL's figures and sampled completions, evaluates
     greedily and samples."""
     import html
-    import json
 
-    rows = [{"prompt": [{"role": "user", "content": json.loads(line)["prompt"]}], "chosen": json.loads(line)["chosen"]}
-            for line in pair_data.read_text().splitlines()]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = chat_prompts(pair_data, tmp_path)
     out = tmp_path / "out"
     args = grpo_args(pair_tokenizer, data, out, "data.chat_template=chatml", "data.max_length=32",
                      f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters,{GRPO_REWARDS}:only_rotten]",

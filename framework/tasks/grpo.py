@@ -119,8 +119,8 @@ class GrpoConfig:
     epsilon_high: Optional[float] = field(default=None, metadata={"gt": 0.0})
     """The ratio's upper clip: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."""
     iterations: int = field(default=1, metadata={"ge": 1})
-    """Updates on each step's rollouts (GRPO's mu; TRL's num_iterations): the optimizer steps this many times per
-    loop step, on the same completions, and the learning-rate schedule advances with each (as TRL's)."""
+    """Updates on each step's rollouts (GRPO's mu; TRL's num_iterations): passes over the same completions, each
+    ``generation_steps`` optimizer steps, and the learning-rate schedule advances with each (as TRL's)."""
     generation_steps: int = field(default=1, metadata={"ge": 1})
     """Optimizer steps each generation feeds: the step's prompts (``train.batch_size`` x
     ``train.gradient_accumulation_steps`` per process) are generated for at once, then learnt from in this many
@@ -384,7 +384,9 @@ class GRPO(CausalLM):
         texts = self.run_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != column}
+        # Streamed sources mixed may hold other columns: a row without one gives None (its functions may skip it).
+        keys = dict.fromkeys(key for row in rows for key in row if key != column)
+        columns = {key: [row.get(key) for row in rows] for key in keys}
         scores = [function(prompts, completions, completion_ids, columns) for function in self.rewards]
         return torch.tensor(np.stack(scores, axis=1), dtype=torch.float32)
 
@@ -414,7 +416,8 @@ class GRPO(CausalLM):
         shown = min(self.grpo.num_generations, EXAMPLES)
         total = weighted_rewards(per_function[:shown], self.weights()).tolist()
         prompt = self.run_tokenizer.decode(prompts[0])
-        return [{"prompt": prompt, "completion": self.run_tokenizer.decode(completions[j]), "reward": number(total[j]),
+        return [{"prompt": prompt, "completion": self.run_tokenizer.decode(completions[j], skip_special_tokens=True),
+                 "reward": number(total[j]),
                  "advantage": number(float(advantage[j])),
                  "rewards": {f.name: number(v) for f, v in zip(self.rewards, per_function[j].tolist())}}
                 for j in range(shown)]
