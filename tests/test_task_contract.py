@@ -122,8 +122,7 @@ SHARDING = ("fsdp2", "zero2", "zero3")
 REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in SHARDING},
            ("masked_lm", "fsdp2"): "task: masked_lm does not run under FSDP2 yet",
            **{(t, "tp"): "distributed.tensor_parallel: Bert" for t in ("text_classification", "masked_lm")},
-           ("dpo", "tp"): "dpo.loss: sigmoid's reference model is not built under tensor parallelism yet",
-           ("grpo", "tp"): "task: grpo does not run under tensor parallelism yet"}
+           ("dpo", "tp"): "dpo.loss: sigmoid's reference model is not built under tensor parallelism yet"}
 # A sharded strategy sums each gradient in another order than one process (reduce-scatter or bucketed reductions):
 # tests/test_fsdp.py's bounds, for weights and the logged losses.
 SHARDED_WEIGHTS, SHARDED_LOSSES = (1e-4, 2e-5), 1e-5

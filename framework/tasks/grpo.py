@@ -315,10 +315,6 @@ class GRPO(CausalLM):
             raise UserError("grpo.beta: the reference model, a frozen copy, is not built under FSDP or DeepSpeed yet "
                             "(its weights load on the first process only); train an adapter (peft: the reference is "
                             "the adapter off), or set grpo.beta=0, or use distributed.strategy=ddp")
-        if backend.is_tensor_parallel(accelerator):
-            raise UserError("task: grpo does not run under tensor parallelism yet (its step-wide reward statistics "
-                            "and loss scale count every process as a data-parallel replica); remove "
-                            "distributed.tensor_parallel")
         for module in model.modules():  # TRL's disable_dropout: one function for sampling, reference and training
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
@@ -575,6 +571,9 @@ class GrpoStep:
         # Every process's rewards and lengths: the step-wide std (scale_rewards batch) and the metrics.
         everything = acc.gather(torch.cat([per_function, completion_lengths[:, None], truncated[:, None].float()], 1)
                                 .to(acc.device)).cpu()
+        tp = backend.tensor_parallel_size(acc)
+        if tp > 1:  # the processes of a tensor-parallel group (consecutive) hold the same rows: one copy of each
+            everything = everything.view(acc.num_processes, -1, everything.shape[1])[::tp].flatten(0, 1)
         weights = task.weights()
         all_rewards = weighted_rewards(everything[:, :len(task.rewards)], weights)
         advantage = advantages(weighted_rewards(per_function, weights), group, g.scale_rewards, nanstd(all_rewards))
