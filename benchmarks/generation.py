@@ -45,17 +45,12 @@ def trl_generate(model, prompts, task, tokenizer):
                               bos_token_id=tokenizer.bos_token_id, eos_token_id=list(s.stop_ids),
                               temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=None,
                               repetition_penalty=1.0, cache_implementation=None, disable_compile=True)
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), longest), s.pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, ids in enumerate(prompts):
-        input_ids[i, longest - len(ids):], attention_mask[i, longest - len(ids):] = torch.tensor(ids), 1
+    input_ids, attention_mask = sampling.left_padded(prompts, s.pad_id)
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              generation_config=config)
-    stops = set(s.stop_ids)
-    return [row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in out[:, longest:].tolist()]
+    return sampling.cut_at_stops(out[:, input_ids.shape[1]:].tolist(), s.stop_ids)
 
 
 def timed(generate) -> tuple:

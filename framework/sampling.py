@@ -97,12 +97,7 @@ def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[i
     model is put in eval mode (no dropout) and left so; call it inside ``backend.generating``, which restores
     training mode."""
     device = next(model.parameters()).device
-    longest = max(len(ids) for ids in prompts)
-    input_ids = torch.full((len(prompts), longest), sampling.pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for i, ids in enumerate(prompts):  # left-padded: every row's next token is at the end
-        input_ids[i, longest - len(ids):] = torch.tensor(ids)
-        attention_mask[i, longest - len(ids):] = 1
+    input_ids, attention_mask = left_padded(prompts, sampling.pad_id)
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=False, num_beams=1,
                               pad_token_id=sampling.pad_id, eos_token_id=list(sampling.stop_ids))
     processors = LogitsProcessorList([] if greedy else [KeyedSampling(sampling, seeds, device)])
@@ -110,9 +105,21 @@ def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[i
     with torch.no_grad(), neutral_generation_defaults(model):
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              generation_config=config, logits_processor=processors, synced_gpus=synced)
-    stops = set(sampling.stop_ids)
-    completions = []
-    for row in out[:, longest:].tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
-        completions.append(row[:end])
-    return completions
+    return cut_at_stops(out[:, input_ids.shape[1]:].tolist(), sampling.stop_ids)
+
+
+def left_padded(prompts: List[List[int]], pad_id: int):
+    """(input_ids, attention_mask) of prompts left-padded to the longest: every row's next token is at the end."""
+    longest = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, ids in enumerate(prompts):
+        input_ids[i, longest - len(ids):] = torch.tensor(ids)
+        attention_mask[i, longest - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def cut_at_stops(rows: List[List[int]], stop_ids: Sequence[int]) -> List[List[int]]:
+    """Each generated row through its first stop token (all of it where none came)."""
+    stops = set(stop_ids)
+    return [row[:next((i + 1 for i, token in enumerate(row) if token in stops), len(row))] for row in rows]

@@ -90,7 +90,8 @@ def setup(cfg: RunConfig) -> Run:
         raise UserError(problems[0] if len(problems) == 1 else
                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
-    accelerator, mesh = backend.build_accelerator(cfg, task.micro_batches_per_update(cfg))
+    accumulation = task.micro_batches_per_update(cfg)  # micro-batches a weight update accumulates
+    accelerator, mesh = backend.build_accelerator(cfg, accumulation)
     lm_harness = None
     if cfg.eval.harness is not None:
         if cfg.eval.harness.every_steps and backend.needs_static_shapes(accelerator):
@@ -129,11 +130,11 @@ def setup(cfg: RunConfig) -> Run:
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type,
                                 dtensors=backend.has_dtensor_parameters(accelerator))
     model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
-    if accelerator.gradient_accumulation_steps != task.micro_batches_per_update(cfg):
+    if accelerator.gradient_accumulation_steps != accumulation:
         # accelerate takes a DeepSpeed config file's own value over the run's (with a warning only).
         raise UserError(f"train.gradient_accumulation_steps: the launch's DeepSpeed config accumulates "
                         f"{accelerator.gradient_accumulation_steps} micro-batches per update, this run "
-                        f"{task.micro_batches_per_update(cfg)}; set gradient_accumulation_steps to auto in the "
+                        f"{accumulation}; set gradient_accumulation_steps to auto in the "
                         "DeepSpeed config file, or remove it there")
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))

@@ -255,15 +255,14 @@ def _process_group_kwargs(cfg: RunConfig) -> list:
     return [InitProcessGroupKwargs(timeout=timedelta(minutes=minutes))] if minutes else []
 
 
-def build_accelerator(cfg: RunConfig, accumulation: Optional[int] = None) -> Tuple[Accelerator, xla_spmd.Mesh]:
+def build_accelerator(cfg: RunConfig, accumulation: int) -> Tuple[Accelerator, xla_spmd.Mesh]:
     """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD);
-    ``accumulation``: the micro-batches of one weight update (the task's; default ``train.gradient_accumulation_steps``)."""
+    ``accumulation``: the micro-batches of one weight update (``Task.micro_batches_per_update``)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     check(cfg)
     mesh = xla_spmd.start(cfg)  # before the XLA runtime starts
-    accumulation = accumulation or cfg.train.gradient_accumulation_steps
     plugins = _plugins(cfg, accumulation)
     deepspeed_on_cpu = deepspeed_on_cpu_processes(cfg)
     try:
