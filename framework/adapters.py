@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from framework import hub
+from framework import backend, hub
 from framework.errors import UserError
 
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
@@ -26,8 +26,8 @@ NO_4BIT_ON_XLA = ("peft.quantize: 4-bit weights need bitsandbytes kernels, which
                   "quantize on XLA (peft.quantize=null)")
 
 
-def check(cfg, strategy: str) -> List[str]:
-    """Problems of the ``peft`` section with the rest of the recipe; ``strategy``: the resolved one."""
+def check(cfg, strategy: backend.Strategy) -> List[str]:
+    """Problems of the ``peft`` section with the rest of the recipe and the run's strategy."""
     p = cfg.peft
     if p is None:
         return []
@@ -35,13 +35,13 @@ def check(cfg, strategy: str) -> List[str]:
     if cfg.model.config is not None:
         problems.append("peft: adapters train on top of a pretrained model, but model.config builds a new one; set "
                         "model.name_or_path (e.g. the model/ folder of an earlier run) or remove the peft section")
-    fsdp1 = strategy == "fsdp" and cfg.distributed.fsdp.version == 1
-    if strategy == "xla_fsdp" or fsdp1:
-        name = "fsdp with distributed.fsdp.version 1" if fsdp1 else strategy
+    fsdp1 = strategy.name == "fsdp" and strategy.fsdp_version == 1
+    if strategy.name == "xla_fsdp" or fsdp1:
+        name = "fsdp with distributed.fsdp.version 1" if fsdp1 else strategy.name
         problems.append(f"peft: adapters run with one process, DDP, FSDP2 or DeepSpeed (and on XLA with xla_spmd), "
                         f"not with distributed.strategy {name}; use distributed.strategy=fsdp (version 2) or ddp, or "
                         "remove the peft section")
-    if p.quantize and strategy == "deepspeed":
+    if p.quantize and strategy.name == "deepspeed":
         problems.append("peft.quantize: 4-bit weights under DeepSpeed are not wired here (QLoRA runs with one "
                         "process, DDP or FSDP2); use distributed.strategy=ddp or fsdp, or peft.quantize=null")
     if p.quantize and cfg.backend == "xla":

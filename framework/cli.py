@@ -1,4 +1,8 @@
-"""Command line: ``run.py [--config RECIPE] [--print-config] [--dry-run] [--help-keys [SECTION]] [KEY=VALUE ...]``."""
+"""Command line: ``run.py [--config RECIPE] [--print-config] [--dry-run] [--help-keys [SECTION]] [KEY=VALUE ...]``.
+
+The entry point, and the one module that stages its imports: at module level only what is light (the signal
+handlers among it), so that the handlers are installed before torch and the tasks are imported: a signal during
+start-up then ends with one line and the shell's status, not a traceback from inside an import."""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from framework import keys
-from framework.config import load_config, to_yaml
 from framework.disk import WriteFailed
 from framework.errors import UserError
 from framework.signals import Interrupted, Signals
@@ -53,12 +55,15 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    if args.help_keys is not None:
-        return _help_keys(args.help_keys)
     cfg = None
     # Installed before the heavy imports, so a signal at any moment ends with one line.
     with Signals() as signals:
         try:
+            if args.help_keys is not None:
+                return _help_keys(args.help_keys)
+            from framework.config import to_yaml
+            from framework.recipe import load_config
+
             cfg = load_config(args.config or default_recipe, args.overrides)
             if args.print_config:
                 print(to_yaml(cfg), end="")
@@ -66,7 +71,8 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
             from framework import backend
 
             backend.select_backend(cfg)  # before anything imports accelerate
-            from framework.checkpoint import Diverged, Preempted
+            from framework.health import Diverged
+            from framework.checkpoint import Preempted
             from framework.train import train
 
             try:
@@ -92,6 +98,8 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
 
 
 def _help_keys(section: str) -> int:
+    from framework import keys
+
     try:
         print(keys.render(keys.select(keys.recipe_sections(), section)).lstrip("\n"), end="")
     except UserError as e:
@@ -102,12 +110,14 @@ def _help_keys(section: str) -> int:
 
 def _stopped(cfg, signals: Signals, signum: int) -> int:
     """A signal outside the training loop: say whether the same command resumes (exit 3) or starts over."""
-    try:
-        from framework.checkpoint import start_point
+    resume_from = None
+    if cfg is not None:  # a recipe was read: its output_dir may hold a checkpoint
+        try:
+            from framework.checkpoint import start_point
 
-        resume_from = start_point(cfg).resume_from if cfg is not None else None
-    except (UserError, Interrupted):
-        resume_from = None
+            resume_from = start_point(cfg).resume_from
+        except (UserError, Interrupted):
+            pass
     if resume_from is not None:
         _say(f"stopped by {signals.name}; run the same command again to resume from {resume_from}")
         return EXIT_PREEMPTED

@@ -1,8 +1,8 @@
 """The recipe key reference, generated from the schema: every key with its type, default and docstring.
 
-The docstrings are the string literals under each dataclass field (read from the source with ``ast``). The
-reference walks sections generically: nested dataclasses (``distributed.fsdp``), optional ones (``peft``), lists
-of them (``data.sources``); a section defined outside ``framework/config.py`` (a task's own) is given as one
+The docstrings are the string literals under each dataclass field (read from the source with ``ast``, a base
+section's included). The reference walks sections generically: nested dataclasses (``distributed.fsdp``), optional ones (``peft``), lists
+of them (``data.sources``); a section defined outside ``framework/config/schema.py`` (a task's own) is given as one
 more ``(name, dataclass)`` pair. ``python recipes/run.py --help-keys [SECTION]`` prints it; docs/keys.md is
 ``python -m framework.keys``, which tests/test_docs.py keeps current.
 """
@@ -33,17 +33,19 @@ class Section:
 
 
 def field_docs(cls: type) -> Dict[str, str]:
-    """Field name -> the string literal under it in the class body (a field defined twice: the last)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # no source (built interactively): no docstrings
-        return {}
-    body = tree.body[0].body
+    """Field name -> the string literal under it in the class body, or in the body of the base class that defines it
+    (a section that extends another: grpo's and rloo's of online RL's; a field defined again: the subclass's)."""
     docs = {}
-    for stmt, after in zip(body, body[1:]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr) \
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[stmt.target.id] = _one_paragraph(after.value.value)
+    for klass in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # no source (built interactively): no docstrings
+            continue
+        body = tree.body[0].body
+        for stmt, after in zip(body, body[1:]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[stmt.target.id] = _one_paragraph(after.value.value)
     return docs
 
 
@@ -182,7 +184,7 @@ def recipe_sections() -> List[Section]:
 def page() -> str:
     """docs/keys.md."""
     return ("# Recipe keys\n\nEvery recipe key with its type, default and meaning, generated from the docstrings in "
-            "the schema\n(`framework/config.py`). Regenerate with `python -m framework.keys > docs/keys.md`; print "
+            "the schema\n(`framework/config/schema.py` and each task's section). Regenerate with `python -m framework.keys > docs/keys.md`; print "
             "one section with\n`python recipes/run.py --help-keys SECTION`.\n" + render(recipe_sections()))
 
 

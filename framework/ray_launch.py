@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from framework.cli import EXIT_USER_ERROR, parse_args
 from framework.cli import main as cli_main
-from framework.config import load_config
+from framework.recipe import load_config
 from framework.errors import UserError
 
 

@@ -235,3 +235,17 @@ def test_json_lines_that_are_not_objects_are_named(capsys, tiny_model, tmp_path,
     data.write_bytes(content)
     err = fails(capsys, tiny_args(tiny_model, data, tmp_path / "out"))
     assert f"data.train_file: {data} {expected}" in err
+
+
+def test_precision_as_the_docs_spell_it(capsys, args, hf_home):
+    """precision=no on the command line, as README and --help-keys spell it, is the recipe's value (YAML read it as
+    false, refused); precision=auto decides on this machine and the plan says what and why: bf16 on a CPU with AMX,
+    no elsewhere (framework/backend/selection.py's auto_precision)."""
+    from framework.backend.hardware import cpu_flags
+
+    assert main(args("precision=no", "--print-config")) == 0
+    assert "\nprecision: 'no'\n" in capsys.readouterr().out
+    assert run_main(args("precision=auto", "--dry-run"), hf_home) == 0
+    out = capsys.readouterr().out
+    chosen = "bf16" if "amx_bf16" in cpu_flags() else "no"
+    assert f"note: precision: auto is {chosen} here (the CPU has" in out and f"\n  precision: {chosen}\n" in out

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.config import RunConfig, load_config, to_yaml
+from framework.config import RunConfig, to_yaml
+from framework.recipe import load_config
 from framework.errors import UserError
 
 
@@ -78,7 +79,24 @@ def test_wrong_type_names_key_value_and_allowed(base):
 
 
 def test_choice_lists_allowed_values(base):
-    assert "precision: 'fp64' is not allowed; expected one of no, fp16, bf16, fp8" in problems(base, ["precision=fp64"])
+    assert "precision: 'fp64' is not allowed; expected one of no, fp16, bf16, fp8, auto" in \
+        problems(base, ["precision=fp64"])
+
+
+def test_words_yaml_11_reads_as_booleans_are_taken_as_typed(base, tmp_path):
+    """YAML 1.1 (PyYAML's, OmegaConf's) reads yes, no, on and off as booleans: precision=no, a documented value,
+    arrived as false and was refused. Read with YAML 1.2's booleans, a text key gets the word and a boolean key
+    still takes it as meant; a quoted 'no' and true/false are unchanged; a recipe file reads the same."""
+    cfg = load_config(base, ["precision=no", "train.compile=yes", "train.gradient_checkpointing=Off",
+                             "data.text_column=on", "data.label_column='no'", "checkpoint.every_epoch=true"])
+    assert (cfg.precision, cfg.train.compile, cfg.train.gradient_checkpointing) == ("no", True, False)
+    assert (cfg.data.text_column, cfg.data.label_column, cfg.checkpoint.every_epoch) == ("on", "no", True)
+    recipe = write(tmp_path / "words.yaml", "precision: no\nmodel:\n  name_or_path: m\ndata:\n  train_file: a.csv\n"
+                                             "report:\n  enabled: off\ntrain:\n  max_grad_norm: 1e-5\n")
+    cfg = load_config(recipe, [])
+    assert (cfg.precision, cfg.report.enabled, cfg.train.max_grad_norm) == ("no", False, 1e-5)
+    assert "train.compile: 'maybe' is not allowed; expected true or false" in problems(base, ["train.compile=maybe"])
+    assert load_config(write(tmp_path / "again.yaml", to_yaml(load_config(base, ["precision=no"]))), []).precision == "no"
 
 
 @pytest.mark.parametrize("override,expected", [
@@ -216,7 +234,8 @@ def test_a_printed_recipe_of_every_task_loads_again(tmp_path):
     for task in [name for name in registered() if ":" not in name]:  # the built-in ones
         model = "model:\n  name_or_path: m\n" if task == "text_classification" else \
             "model:\n  config: {model_type: gpt2}\n  tokenizer: t\n"
-        required = "grpo:\n  reward_functions: [exact_match]\n" if task == "grpo" else ""  # its one required key
+        online = task in ("grpo", "rloo")
+        required = f"{task}:\n  reward_functions: [exact_match]\n" if online else ""  # online RL's one required key
         printed = write(tmp_path / f"{task}.yaml", to_yaml(load_config(write(
             tmp_path / "r.yaml", f"task: {task}\n{model}{required}data:\n  train_file: a.csv\n"), [])))
         assert load_config(printed, []).task == task
@@ -241,7 +260,8 @@ def test_a_task_section_holds_its_columns_and_the_old_data_spelling_still_loads(
 
 
 def test_a_checkpoint_recipe_saved_with_the_old_column_keys_resumes():
-    from framework.config import resume_differences, schema, to_dict
+    from framework.config import to_dict
+    from framework.recipe import resume_differences, schema
 
     cfg = schema()(task="dpo")
     saved = to_dict(cfg)

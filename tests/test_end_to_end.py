@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
-from framework.config import load_config
+from framework.recipe import load_config
 from in_process import run_main, train_ok
 
 REFERENCE = REFERENCES / "tiny_text_classification.json"

@@ -57,7 +57,7 @@ def budget(cases: int):
 def schema() -> Dict[str, tuple]:
     """Every recipe key (dotted) -> (its default, its bounds): read from the dataclasses, so that a key added
     later is fuzzed too."""
-    from framework import config
+    from framework import recipe
 
     keys = {}
 
@@ -70,7 +70,7 @@ def schema() -> Dict[str, tuple]:
                 walk(value, f"{prefix}{f.name}.")
             else:
                 keys[f"{prefix}{f.name}"] = (value, dict(f.metadata))
-    walk(config.schema()(), "")
+    walk(recipe.schema()(), "")
     return keys
 
 

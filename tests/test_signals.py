@@ -60,6 +60,19 @@ def test_a_signal_in_any_phase_ends_cleanly(hf_home, tiny_model, easy_data, tmp_
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == summary["train"]["steps"]
 
 
+def test_a_signal_during_the_first_imports_ends_with_one_line(hf_home, tiny_model, easy_data, tmp_path):
+    """Ctrl-C while the run starts, as torch is being imported (the CLI's first heavy import): one line and 130, no
+    traceback from inside the import. The CLI installs its handlers before it imports torch (framework/cli.py);
+    with the import at module level, the signal came before them: exit -2 and a KeyboardInterrupt traceback."""
+    out = tmp_path / "out"
+    proc = signalled(hf_home, tiny_args(tiny_model, easy_data, out), SIGNAL_AT="import:torch", SIGNAL="SIGINT")
+    assert "signal_at: sending SIGINT" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["stopped by SIGINT before the first checkpoint; nothing to resume, "
+                                                "the same command starts over"]
+    assert not out.exists()
+
+
 def test_the_tpu_launchers_code_path_exits_non_zero_on_a_user_error(tmp_path):
     """accelerate's TPU launcher calls recipes/run.py's main() through PrepareForLaunch and drops its return
     value; main() must leave with SystemExit(2) instead."""

@@ -66,7 +66,7 @@ def test_two_processes_read_their_own_shares_and_resume_bitwise(cli, hf_home, wo
 
 def test_eval_is_a_fixed_held_out_set(hf_home, word_tokenizer, shards, tmp_path, capsys):
     from framework import streaming
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.tasks import get_task
 
     args = stream_args(word_tokenizer, shards, tmp_path / "out", "eval.batches=1", "train.max_steps=2",
@@ -151,7 +151,7 @@ def test_a_saved_loader_state_keeps_its_arrays_exactly(tmp_path):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_sources_are_mixed_by_weight(tmp_path, streaming):
     from framework import data, streaming as stream
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.tasks import get_task
 
     for name, n in (("alpha", 300), ("beta", 3000)):

@@ -107,7 +107,7 @@ def test_param_group_trains_with_its_own_lr_and_weight_decay(tiny_model, easy_da
     at 1e-2, moves."""
     from transformers import AutoModelForSequenceClassification
 
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.optim import param_groups
 
     out = tmp_path / "out"
@@ -153,7 +153,7 @@ OPTIMIZER_CLASSES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD",
 @pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
 @pytest.mark.parametrize("name", OPTIMIZER_CLASSES)
 def test_optimizer_is_the_class_asked_for(tiny_model, easy_data, hf_home, tmp_path, name):
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.train import setup
 
     module, _, class_name = OPTIMIZER_CLASSES[name].rpartition(".")
@@ -214,7 +214,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_model):
 
 
 def test_recipe_key_turns_on_the_models_checkpointing(tiny_model, easy_data, tmp_path):
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.train import setup
 
     cfg = load_config(tiny_args(tiny_model, easy_data, tmp_path)[1], tiny_args(tiny_model, easy_data, tmp_path / "o")[2:]

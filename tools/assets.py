@@ -176,7 +176,7 @@ def held_out(recipe: str, train_file: Path):
     """The eval rows of a shipped recipe (its seeded ``data.eval_fraction``), split by the framework itself, so
     that a harness task built from them holds no row that recipe trains on."""
     sys.path.insert(0, str(ROOT))
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.data import load_splits
     from framework.tasks import get_task
 

@@ -89,6 +89,11 @@ def _cpuinfo() -> Tuple[set, Optional[float]]:
     return flags, max(clocks) if clocks else None
 
 
+def cpu_flags() -> set:
+    """The CPU's instruction-set flags (/proc/cpuinfo; empty off Linux)."""
+    return _cpuinfo()[0]
+
+
 def _usable_cores() -> int:
     """The physical cores this process may run on: its CPUs, with SMT siblings (two CPUs of one core, which share
     its vector units) counted once."""

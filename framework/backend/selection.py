@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from framework.backend.hardware import cpu_flags
 from framework.config import DistributedConfig, RunConfig
 from framework.errors import UserError
 
@@ -23,9 +24,13 @@ XLA_INSTALL = "install it with `pip install -e '.[xla]'` (or `make install-xla`)
 
 def select_backend(cfg: RunConfig) -> None:
     """Call before accelerate is imported. With torch_xla installed accelerate always picks XLA, even when
-    asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead."""
+    asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead. accelerate imports
+    DeepSpeed wherever it is installed (to recognise its engine when unwrapping a model), and DeepSpeed, finding no
+    GPU, warns on every run that it fell back to the CPU: where the run trains on the CPU it is told so instead."""
     if cfg.backend in ("cpu", "gpu"):
         os.environ["USE_TORCH_XLA"] = "0"
+    if on_cpu(cfg):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def has_xla() -> bool:
@@ -63,6 +68,38 @@ def resolved_distributed(cfg: RunConfig) -> DistributedConfig:
                                deepspeed=dataclasses.replace(ds, zero_stage=2 if stage is None else stage))
 
 
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How the run's processes will share the work, as the recipe and the launch say before anything is built: what
+    a task's and the adapters' checks refuse combinations by (``Task.check``)."""
+
+    name: str  # distributed.strategy, auto resolved to what the launch config set up
+    fsdp_version: int
+    zero_stage: int  # DeepSpeed's ZeRO stage (the recipe's, else the launch config's, else 2)
+    tensor_parallel: int  # processes sharing each model by tensor parallelism (1: none)
+    xla: bool  # the backend is XLA: batches in static shapes
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP or DeepSpeed places and shards the model itself: its weights are not whole on every process."""
+        return self.name in ("fsdp", "deepspeed")
+
+    @property
+    def fsdp2(self) -> bool:
+        return self.name == "fsdp" and self.fsdp_version == 2
+
+    @property
+    def zero3(self) -> bool:
+        return self.name == "deepspeed" and self.zero_stage == 3
+
+
+def planned_strategy(cfg: RunConfig) -> Strategy:
+    """The run's ``Strategy`` from the recipe and the launch (the environment ``accelerate launch`` sets)."""
+    resolved = resolved_distributed(cfg)
+    return Strategy(resolved.strategy, resolved.fsdp.version, resolved.deepspeed.zero_stage,
+                    resolved.tensor_parallel or 1, cfg.backend == "xla" or _auto_xla(cfg))
+
+
 def _strategy_key(cfg: RunConfig) -> str:
     """How messages name the strategy: the recipe's value, and where auto took it from."""
     chosen = strategy(cfg)
@@ -74,6 +111,22 @@ def _auto_xla(cfg: RunConfig) -> bool:
     is no CUDA device."""
     xla = has_xla() and os.environ.get("USE_TORCH_XLA", "1").lower() not in ("0", "false", "no")
     return cfg.backend == "auto" and xla and not torch.cuda.is_available()
+
+
+def auto_precision(cfg: RunConfig) -> Tuple[str, str]:
+    """What ``precision: auto`` is on this machine, and why: bf16 where the device computes it natively and it pays
+    (a GPU with bf16, a TPU, a CPU with AMX tiles: there bf16 matrix products ran 5x fp32 and the default recipe
+    1.38x faster, docs/benchmarks.md), else no."""
+    if cfg.backend == "xla" or _auto_xla(cfg):
+        device = os.environ.get("PJRT_DEVICE", "")
+        return ("bf16", "a TPU computes bf16 natively") if device.upper() == "TPU" else \
+            ("no", f"XLA on {device or 'an unnamed device'}, not a TPU")
+    if not on_cpu(cfg):
+        return ("bf16", "the GPU computes bf16") if torch.cuda.is_bf16_supported() else \
+            ("no", "the GPU has no bf16")
+    if "amx_bf16" in cpu_flags():
+        return "bf16", "the CPU has AMX: bf16 matrix products measured 5x fp32"
+    return "no", "the CPU has no AMX: bf16 is not faster than fp32 there"
 
 
 def auto_means_cpu(cfg: RunConfig) -> bool:
