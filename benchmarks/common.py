@@ -15,7 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the framework, from this clone
-from framework.config import OptimConfig, RunConfig, load_config  # noqa: E402
+from framework.config import OptimConfig, RunConfig
+from framework.recipe import load_config  # noqa: E402
 # The optimizer kernel the framework picks per device (fused on CUDA and the CPU): the same here, so that the
 # loops differ in the loop and not in the optimizer. The probe records each loop's optimizer and
 # compare_loops.py reports any difference.
@@ -91,6 +92,7 @@ def load_data_and_model(cfg: RunConfig):
     from framework.tasks import get_task
 
     set_seed(cfg.seed)
-    data = run_data.open(cfg)
-    model, tokenizer = data.load(get_task(cfg.task))
+    data, task = run_data.from_recipe(cfg), get_task(cfg.task)
+    model, tokenizer = task.load(cfg, *data.read(task))
+    data.prepare_rows(task, tokenizer, model)
     return tokenizer, model, data.train_ds, data.eval_ds

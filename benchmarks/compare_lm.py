@@ -14,8 +14,8 @@ cosine schedule with 5% warmup, clipping at 1.0) trained for the same number of 
   a checkpoint every 2 minutes, inside the measured steps. It still evaluates once at the end, saves the
   model and generates its 24-token sample (in total wall, not in the steady window);
 - raw: ``compare_lm.py --side raw``, a minimal hand-written accelerate loop, nanoGPT-style: the framework's
-  packed blocks (``run_data.open(cfg).load``) in the same seeded order, the framework's forward
-  (``get_task("causal_lm").forward``: the 4D block-diagonal document mask and restarting position_ids),
+  packed blocks (``run_data``, as setup reads them) in the same seeded order, the framework's forward
+  (the causal_lm run's ``forward``: the 4D block-diagonal document mask and restarting position_ids),
   the summed token cross-entropy divided by the step's target count, backward, clip, step, schedule,
   zero_grad. Nothing after the last step;
 - Trainer: ``compare_lm.py --side Trainer``, ``transformers.Trainer`` as a user gets it:
@@ -86,13 +86,13 @@ def raw_side(cfg, document_mask: bool) -> None:
     from framework.tasks import get_task
     from framework.tasks.causal_lm import PackedCollator
 
-    task = get_task("causal_lm")
 
     t, o = cfg.train, cfg.optim
     # The seedable sampler, as the framework and the Trainer: the same shuffle on all three sides.
     accelerator = Accelerator(cpu=cfg.backend == "cpu",
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     tokenizer, model, train_ds, _ = load_data_and_model(cfg)
+    task = get_task("causal_lm").bind(cfg, model, None)
     # Its own generator, as the framework's: iterating the loader then draws no seed from the global RNG,
     # so the dropout masks follow the framework's.
     train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=True, drop_last=True, collate_fn=PackedCollator(),
@@ -135,6 +135,7 @@ def trainer_side(cfg) -> None:
     from common import load_data_and_model, recipe_training_args
 
     tokenizer, model, train_ds, _ = load_data_and_model(cfg)
+    task = get_task("causal_lm").bind(cfg, model, None)
     if tokenizer.pad_token is None:  # GPT-2 has none: what users do (the framework's task has done it already)
         tokenizer.pad_token = tokenizer.eos_token
     # train.max_steps is set (side_main checks it), so it is the max_steps of recipe_training_args. The one
@@ -325,7 +326,7 @@ def main() -> None:
         parser.error("--set takes KEY=VALUE")
 
     sys.path.insert(0, str(ROOT))
-    from framework.config import load_config
+    from framework.recipe import load_config
 
     cfg = load_config(LM_RECIPE, args.overrides)
     if not cfg.data.block_size or cfg.data.packing is False:

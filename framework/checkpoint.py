@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -20,12 +19,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from framework import adapters, backend, disk, profiling, report
-from framework.config import RunConfig, resume_differences
+from framework.config import RunConfig
+from framework.recipe import resume_differences
 from framework.errors import UserError
 
 TRACKER_PROJECT = "framework"  # the project name the trackers log under, a folder of output_dir
@@ -232,18 +231,6 @@ def newest_complete(folder: Path) -> Tuple[Optional[Path], List[str]]:
     return None, warnings
 
 
-class _TiedWeightsSaved(logging.Filter):
-    """Drops accelerate's "Removed shared tensor {...} while saving" warning, printed at every checkpoint of a model
-    with tied weights (an output layer sharing the embedding's storage): the tensor is saved once and tied again
-    on load, as the bitwise resume tests of tied models show, so the line is noise."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in str(record.getMessage())
-
-
-logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsSaved())
-
-
 def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int],
          recipe: Dict, devices: int, loader_state: Optional[Dict] = None) -> Path:
     """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively).
@@ -366,64 +353,8 @@ def _plain(value):
 # ---------------------------------------------------------------- preemption (signals: framework/signals.py)
 
 
-def any_process(accelerator: Accelerator, *flags: bool) -> List[bool]:
-    """Each flag, true when it is true on any process. With several processes this is an all-reduce and a
-    host read, so the loop asks only at log steps; one process just reads its own flags."""
-    if accelerator.num_processes == 1:
-        return list(flags)
-    summed = accelerator.reduce(torch.tensor([float(f) for f in flags], device=accelerator.device), reduction="sum")
-    return [bool(v) for v in summed.tolist()]
-
-
 class Preempted(Exception):
     """Raised after the preemption checkpoint is saved; the CLI exits with status 3."""
-
-
-class Diverged(Exception):
-    """Raised where the training loss or a weight is no longer finite, before anything is written from it; the CLI
-    exits with status 4. The checkpoints saved before stay (none is rotated out for a non-finite one) and model/ is
-    not written."""
-
-
-def check_finite(accelerator: Accelerator, model: Optional[torch.nn.Module], loss: Optional[float], step: int) -> None:
-    """Raise Diverged where ``loss`` (already read over every process) or, with ``model``, any weight of any
-    process's shards is NaN or infinite. Called before a checkpoint or model/ is written, never inside a step: on XLA
-    the check is one small graph (compiled once, the shapes never change) and one host read beside the save's own."""
-    if loss is not None and not np.isfinite(loss):
-        raise Diverged(f"the training loss is {loss} at step {step}")
-    if model is None:
-        return
-    flags = [torch.isfinite(backend.local_shard(p)).all() for p in model.parameters()]
-    bad = bool(flags) and not bool(torch.stack(flags).all())  # one host read
-    if any_process(accelerator, bad)[0]:
-        raise Diverged(f"a weight is not finite after step {step}, although the loss was")
-
-
-class SkippedSteps:
-    """``train.on_nonfinite: skip``: whether each optimizer update may go ahead, from its gradient norm (every
-    process agrees), counting the updates skipped: in all, in a row, and in the current step."""
-
-    def __init__(self, limit: int, total: int = 0, in_a_row: int = 0):
-        self.limit, self.total, self.in_a_row = limit, total, in_a_row
-        self.step, self.in_step = 0, 0
-
-    def begin(self, step: int) -> None:
-        """Step ``step`` (counted from 1) starts."""
-        self.step, self.in_step = step, 0
-
-    def allow(self, accelerator: Accelerator, norm: torch.Tensor) -> bool:
-        """Whether an update may use gradients of norm ``norm``; raises Diverged at the ``limit``-th non-finite one
-        in a row. One host read and, on several processes, an all-reduce (under local SGD one process's NaN is its
-        own)."""
-        bad = any_process(accelerator, not bool(torch.isfinite(norm)))[0]
-        if not bad:
-            self.in_a_row = 0
-            return True
-        self.total, self.in_a_row, self.in_step = self.total + 1, self.in_a_row + 1, self.in_step + 1
-        if self.in_a_row >= self.limit:
-            raise Diverged(f"the gradient norm is not finite at step {self.step}, {self.in_a_row} times in a row "
-                           f"(train.max_skipped_steps: {self.limit})")
-        return False
 
 
 # ---------------------------------------------------------------- model

@@ -39,10 +39,6 @@ def size_text(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
-
-
 def _existing(path: Path) -> Path:
     """``path`` or the nearest folder above it that exists (a filesystem to ask about)."""
     path = path.absolute()

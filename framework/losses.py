@@ -11,9 +11,8 @@ applied to ``chunk`` tokens at a time:
   pass only scales the stored gradients by the incoming one (a scalar). No chunk is computed twice (Liger
   Kernel's and Apple's Cut Cross-Entropy's order of work, in plain PyTorch), so the head costs the same
   three matrix products as with full logits.
-- ``sequence_logprobs``: per row, the summed log-probability of its target tokens (preference losses); its
-  incoming gradient differs per token, so each chunk is recomputed in the backward pass. ``token_logprobs``:
-  the same per token (online RL).
+- ``token_logprobs``: per token, the log-probability of its target (summed per row: preference losses; per token:
+  online RL); its incoming gradient differs per token, so each chunk is recomputed in the backward pass.
 - ``token_outputs``: per token, the loss and whether the argmax is the target (evaluation, no gradient).
 
 Chunks are fixed slices of the flattened tokens, so their shapes depend only on the batch's shape (static
@@ -220,15 +219,6 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: t
     if not torch.is_grad_enabled():
         return sum(_chunk_logits(head, hidden[s:e], targets[s:e])[1].sum() for s, e in _chunks(hidden.shape[0], chunk))
     return _LinearCrossEntropy.apply(hidden, targets, head, chunk, *_trainable(head))
-
-
-def sequence_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
-                      select: bool = False) -> torch.Tensor:
-    """Per row of ``targets`` (batch x length), the summed log-probability (fp32) of its target tokens under
-    ``head(hidden)``, differentiable, never holding more than ``chunk`` tokens' logits. ``select``: first drop
-    the ignored tokens (dynamic shapes), so the head runs on the completions only (a preference pair's answer is
-    often a few tokens of a long prompt)."""
-    return token_logprobs(hidden, head, targets, chunk, select).sum(dim=-1)
 
 
 def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,

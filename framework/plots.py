@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 MIB = 2**20
-# Panels of the curves figure: title, then (metrics.jsonl key, label, line style) drawn in it. Each further eval
-# metric of the task (accuracy, f1, perplexity, ...) gets a panel of its own after the loss and learning rate.
+# Panels of the curves figure: title, then (metrics.jsonl key, label, line style) drawn in it. After the loss and
+# learning rate, each further quantity the steps log (a task's own: online RL's rewards, lengths, clipping) gets a
+# panel, the keys sharing a prefix before "/" one panel together (TRL's names: completions/mean_length,
+# completions/max_length), an evaluation figure of the same name in the same panel; then each other eval metric
+# of the task (accuracy, f1, perplexity, ...), then the speed. Nothing here is specific to a task.
 FIXED_PANELS = [
     ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "--o")]),
     ("learning rate", [("lr", "lr", "-")]),
@@ -21,17 +24,7 @@ SPEED_PANELS = [
     ("samples / s", [("samples_per_second", "samples/s", "-")]),
     ("MFU (%)", [("mfu", "MFU", "-")]),
 ]
-# Online RL's training figures (framework/tasks/grpo.py logs TRL's names): drawn where a run logged them, the
-# rewards per function as one line each (rewards/NAME/mean).
-RL_PANELS = [
-    ("reward", [("reward", "train", "-"), ("eval_reward", "eval (greedy)", "--o")]),
-    ("completion length", [("completions/mean_length", "mean", "-"), ("completions/min_length", "min", ":"),
-                           ("completions/max_length", "max", ":")]),
-    ("clipped", [("completions/clipped_ratio", "completions cut at the limit", "-"),
-                 ("clip_ratio/region_mean", "tokens with the ratio clipped", "--")]),
-    ("KL to the reference", [("kl", "kl", "-")]),
-    ("entropy", [("entropy", "entropy", "-")]),
-]
+NOT_CURVES = {"step", "epoch", "skipped_steps"}  # a training record's keys that are no quantity to draw
 SCALE = {"mfu": 100.0}  # shown as a percentage
 COUNTS = {"eval_loss", "eval_examples", "eval_tokens", "eval_prompts"}  # no panel of their own: the loss has one,
 # counts are no curve
@@ -56,16 +49,26 @@ def _figure(panels: int, width: float = 4.2, height: float = 2.9, left: float = 
 
 
 def _panels(runs: Dict[str, List[dict]]) -> List[Tuple[str, list]]:
-    """The panels that have data in at least one run."""
-    keys = {k for records in runs.values() for r in records for k, v in r.items() if isinstance(v, (int, float))}
-    fixed = {key for _, lines in RL_PANELS for key, _, _ in lines}
-    metrics = sorted(k for k in keys if k.startswith("eval_") and k not in COUNTS and k not in fixed)
-    functions = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
-    per_function = [("rewards per function", [(k, k.split("/")[1], STYLES[i % len(STYLES)])
-                                              for i, k in enumerate(functions)])]
-    candidates = (FIXED_PANELS + RL_PANELS[:1] + per_function + RL_PANELS[1:]
-                  + [(m[len("eval_"):], [(m, "eval", "-o")]) for m in metrics] + SPEED_PANELS)
-    return [(title, lines) for title, lines in candidates if any(key in keys for key, _, _ in lines)]
+    """The panels that have data in at least one run (the order above)."""
+    numbers = [{k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+               for records in runs.values() for r in records]
+    drawn = {key for _, lines in FIXED_PANELS + SPEED_PANELS for key, _, _ in lines} | NOT_CURVES
+    logged = sorted({k for keys in numbers if "loss" in keys for k in keys} - drawn - COUNTS)
+    evaluated = sorted({k for keys in numbers for k in keys if k.startswith("eval_")} - COUNTS)
+    groups: Dict[str, list] = {}
+    for key in logged:
+        group, _, rest = key.partition("/")
+        groups.setdefault(group, []).append((key, rest or "train"))
+    for key in evaluated:
+        group, _, rest = key[len("eval_"):].partition("/")
+        if group in groups:  # eval_reward beside reward, eval_rewards/NAME beside rewards/NAME/mean
+            groups[group].append((key, f"eval {rest}".strip() if rest else "eval"))
+    panels = [(group, [(key, label, STYLES[i % len(STYLES)] if not label.startswith("eval") else "--o")
+                       for i, (key, label) in enumerate(lines)]) for group, lines in groups.items()]
+    own = [(key[len("eval_"):], [(key, "eval", "-o")]) for key in evaluated
+           if key[len("eval_"):].partition("/")[0] not in groups]
+    candidates = FIXED_PANELS + panels + own + SPEED_PANELS
+    return [(title, lines) for title, lines in candidates if any(key in keys for keys in numbers for key, _, _ in lines)]
 
 
 def curves(runs: Dict[str, List[dict]], path: Path) -> Optional[Path]:

@@ -1,8 +1,10 @@
-"""One way in for a run's data. ``open(cfg)`` checks the data files (cheap: before any slow work) and returns the
-run's one data object; setup asks it, in order, for the model with the rows prepared (``load``), the loaders
-(``build_loaders``) and their preparation by accelerate (``prepare``); the loop asks it for each epoch's batches,
-and checkpoints for the training loader's position. Two implementations: rows in memory, split and sampled
+"""One way in for a run's data. ``from_recipe(cfg)`` checks the data files (cheap: before any slow work) and returns
+the run's one data object; setup asks it, in order, for the raw rows the task loads its model by (``read``), the
+rows prepared by the task (``prepare_rows``), the loaders (``build_loaders``), the loaders accelerate prepares
+(``loaders``) and takes them back prepared (``use_prepared``); the loop asks it for each epoch's batches, and
+checkpoints for the training loader's position. Two implementations: rows in memory, split and sampled
 (:class:`MapData`, framework/data.py) and streams read as they train (:class:`StreamData`, framework/streaming.py).
+The model and accelerate's ``prepare`` are framework/train.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def eval_rows(cfg: RunConfig, mesh: backend.Mesh) -> int:
     return (cfg.train.eval_batch_size or 2 * cfg.train.batch_size) * mesh.devices
 
 
-def open(cfg: RunConfig) -> "RunData":  # noqa: A001  (run_data.open: the run's data, opened)
+def from_recipe(cfg: RunConfig) -> "RunData":
     """The run's data, its files checked."""
     data.check_files(cfg.data)
     return StreamData(cfg) if cfg.data.streaming else MapData(cfg)
@@ -42,9 +44,13 @@ class RunData:
         self.train_collate = self.train_dl = self.eval_dl = None
         self.steps_per_epoch: Optional[int] = None  # None for a stream
 
-    def load(self, task, mesh: Optional[backend.Mesh] = None) -> Tuple[torch.nn.Module, object]:
-        """(model, tokenizer): the rows read, checked and split, the model loaded (or built), and the rows prepared
-        by the task. Seed first: a new model or head draws from the global RNG."""
+    def read(self, task) -> Tuple[Optional[datasets.Dataset], Optional[datasets.Dataset]]:
+        """The raw (train, eval) rows, read, checked and split, that ``Task.load`` sizes the model by (the labels);
+        (None, None) for a stream."""
+        raise NotImplementedError
+
+    def prepare_rows(self, task, tokenizer, model: torch.nn.Module, mesh: Optional[backend.Mesh] = None) -> None:
+        """The rows as the task prepares them (tokenized, labelled, packed), for the model as loaded."""
         raise NotImplementedError
 
     def build_loaders(self, accelerator, task, tokenizer, model: torch.nn.Module, mesh: backend.Mesh,
@@ -68,8 +74,12 @@ class RunData:
         self.eval_dl = DataLoader(self.eval_ds, batch_size=rows, collate_fn=eval_collate,
                                   num_workers=cfg.data.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
 
-    def prepare(self, accelerator, model: torch.nn.Module, optimizer, mesh: backend.Mesh):
-        """accelerate's prepare of the model and optimizer together with the loaders; returns (model, optimizer)."""
+    def loaders(self) -> List[DataLoader]:
+        """The loaders for accelerate's ``prepare`` (with the model and optimizer)."""
+        raise NotImplementedError
+
+    def use_prepared(self, loaders: List, mesh: backend.Mesh) -> None:
+        """The loaders as ``prepare`` returned them, in ``loaders``' order."""
         raise NotImplementedError
 
     def epoch_batches(self, accelerator, mesh: backend.Mesh, epoch: int, epoch_step: int):
@@ -106,17 +116,24 @@ class RunData:
 class MapData(RunData):
     """Rows in memory: read, checked and split once, prepared (and cached) by the task, sampled per epoch."""
 
-    def load(self, task, mesh=None):
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.splits: Optional[data.Splits] = None  # the raw rows, from read to prepare_rows
+
+    def read(self, task):
         cfg = self.cfg
-        splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg),
-                                  task.keeps_other_columns)
-        model, tokenizer = task.load(cfg, splits.train, splits.eval)
+        self.splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg),
+                                       task.keeps_other_columns)
+        return self.splits.train, self.splits.eval
+
+    def prepare_rows(self, task, tokenizer, model, mesh=None):
+        cfg, splits = self.cfg, self.splits
         eval_ds = task.prepare(splits.eval, tokenizer, model, cfg)
         if cfg.eval.batches:
             rows = eval_rows(cfg, mesh or backend.Mesh())  # without SPMD one device
             eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.eval.batches * rows)))
         self.train_ds, self.eval_ds = task.prepare(splits.train, tokenizer, model, cfg), eval_ds
-        return model, tokenizer
+        self.splits = None  # the raw rows are not needed any more
 
     def _check_size(self, replicas):
         t = self.cfg.train
@@ -136,11 +153,13 @@ class MapData(RunData):
                           sampler=sampler, shuffle=sampler is None, num_workers=cfg.data.num_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
 
-    def prepare(self, accelerator, model, optimizer, mesh):
-        model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, self.train_dl, self.eval_dl)
+    def loaders(self):
+        return [self.train_dl, self.eval_dl]
+
+    def use_prepared(self, loaders, mesh):
+        train_dl, eval_dl = loaders
         self.steps_per_epoch = len(train_dl) // self.cfg.train.gradient_accumulation_steps
         self.train_dl, self.eval_dl = mesh.shard_loader(train_dl), mesh.shard_loader(eval_dl)
-        return model, optimizer
 
     def epoch_batches(self, accelerator, mesh, epoch, epoch_step):
         accum = self.cfg.train.gradient_accumulation_steps
@@ -158,12 +177,12 @@ class StreamData(RunData):
     """Streams: each process reads its own share, and its loader keeps its exact position (framework/streaming.py);
     the eval set is the first batches of the eval stream, in memory."""
 
-    def load(self, task, mesh=None):
-        cfg = self.cfg
-        streaming.check_sources(cfg, task.columns(cfg))
-        model, tokenizer = task.load(cfg, None, None)
-        self.eval_ds = streaming.eval_set(cfg, task, tokenizer, model, eval_rows(cfg, mesh or backend.Mesh()))
-        return model, tokenizer
+    def read(self, task):
+        streaming.check_sources(self.cfg, task.columns(self.cfg))
+        return None, None
+
+    def prepare_rows(self, task, tokenizer, model, mesh=None):
+        self.eval_ds = streaming.eval_set(self.cfg, task, tokenizer, model, eval_rows(self.cfg, mesh or backend.Mesh()))
 
     def _train_loader(self, accelerator, task, tokenizer, model, batch_size):
         cfg = self.cfg
@@ -171,10 +190,12 @@ class StreamData(RunData):
         return streaming.StreamLoader(stream, self.train_collate, batch_size, cfg.data.shuffle_buffer, cfg.seed,
                                       accelerator.device)
 
-    def prepare(self, accelerator, model, optimizer, mesh):
-        model, optimizer, eval_dl = accelerator.prepare(model, optimizer, self.eval_dl)
+    def loaders(self):
+        return [self.eval_dl]  # the stream's loader reads its own share (framework/streaming.py), unprepared
+
+    def use_prepared(self, loaders, mesh):
+        (eval_dl,) = loaders
         self.train_dl, self.eval_dl = mesh.shard_loader(self.train_dl), mesh.shard_loader(eval_dl)
-        return model, optimizer
 
     def epoch_batches(self, accelerator, mesh, epoch, epoch_step):
         # Endless, keeping its own epochs and (resumed) position.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -16,16 +18,18 @@ from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
-from framework import adapters, backend, checkpoint, disk, flops, harness, hub, memory, report, run_data
+from framework import (adapters, backend, checkpoint, disk, flops, harness, health, hub, memory, noise, report,
+                       run_data)
 from framework.config import RunConfig, to_dict, to_yaml
+from framework.disk import write_json, write_text
 from framework.errors import UserError
+from framework.loss_window import LossWindow
 from framework.optim import build_optimizer, build_scheduler
 from framework.profiling import StepProfiler
-from framework.disk import write_json, write_text
 from framework.report import Clock, LivePage, Reporter, hyperparameters, tracker_options, write_report
 from framework.signals import Signals
-from framework.step import Step, StepResult
-from framework.tasks import Task, get_task
+from framework.step import Step, StepContext, Update
+from framework.tasks import TaskRun, get_task
 
 
 @dataclass
@@ -51,47 +55,55 @@ class TrainState:
 
 @dataclass
 class Run:
+    """What setup built and the loop trains with."""
+
     cfg: RunConfig
     accelerator: Accelerator
-    task: Task
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    data: run_data.RunData  # the rows or the stream, the eval set, the loaders
-    total_steps: int
-    plan: Dict[str, object]
-    compile_watch: backend.CompileWatch
-    start: checkpoint.StartPoint
-    memory_plan: Dict[str, object]
     mesh: backend.Mesh  # the devices one process drives under SPMD (one otherwise)
+    model: torch.nn.Module  # as accelerate prepared it
+    tokenizer: object
+    task: TaskRun  # the task bound to this run
+    data: run_data.RunData  # the rows or the stream, the eval set, the loaders
+    train_step: Step  # the task's step over each step's micro-batches
+    update: Update  # the optimizer, its schedule, clipping, skipped updates
+    total_steps: int
+    start: checkpoint.StartPoint
+    plan: Dict[str, object]
+    memory_plan: Dict[str, object]
     model_flops: flops.ModelFlops
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
+    compile_watch: backend.CompileWatch
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
-    step: Step  # one optimizer step, as the task chooses it
-    skipped_steps: Optional[checkpoint.SkippedSteps] = None  # train.on_nonfinite: skip
+
+    @cached_property
+    def context(self) -> StepContext:
+        """What each step is given."""
+        return StepContext(self.accelerator, self.model, self.mesh, self.task, self.update)
 
 
 def setup(cfg: RunConfig) -> Run:
     """Check the inputs, then build the accelerator, data, model, optimizer and schedule."""
+    notes = []
+    if cfg.precision == "auto":  # decided first: the recipe a checkpoint records, and a resume compares, is concrete
+        precision, why = backend.auto_precision(cfg)
+        cfg = dataclasses.replace(cfg, precision=precision)
+        notes.append(f"precision: auto is {precision} here ({why})")
     # Cheap checks first, so a mistake is reported before any slow work; every problem found at once.
     problems: List[str] = []
     start = _checked(problems, checkpoint.start_point, cfg)
-    data = _checked(problems, run_data.open, cfg)
+    data = _checked(problems, run_data.from_recipe, cfg)
     for key in ("name_or_path", "tokenizer"):
         if getattr(cfg.model, key):
             _checked(problems, hub.check_model_path, getattr(cfg.model, key), f"model.{key}")
-    task = get_task(cfg.task)
     _checked(problems, report.check_trackers, cfg.report_to)
-    # The recipe was checked with its own strategy; auto may have become FSDP or DeepSpeed from the launch config.
-    problems += adapters.check(cfg, backend.resolved_distributed(cfg).strategy)
     if problems:
         raise UserError(problems[0] if len(problems) == 1 else
                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
-    accumulation = task.micro_batches_per_update(cfg)  # micro-batches a weight update accumulates
-    accelerator, mesh = backend.build_accelerator(cfg, accumulation)
+    declared = get_task(cfg.task)
+    train_step = declared.step(cfg)
+    accelerator, mesh = backend.build_accelerator(cfg, train_step.micro_batches_per_update)
     lm_harness = None
     if cfg.eval.harness is not None:
         if cfg.eval.harness.every_steps and backend.needs_static_shapes(accelerator):
@@ -100,19 +112,20 @@ def setup(cfg: RunConfig) -> Run:
         lm_harness = harness.Harness(cfg.eval.harness, cfg.seed)
     if start.resume_from is not None:
         checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
-    set_seed(cfg.seed)
+    set_seed(cfg.seed)  # before the model: a new model or head draws from the global RNG
     t = cfg.train
     replicas = backend.data_parallel(accelerator)[1] * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first(), backend.loading_whole_models(accelerator):
-        model, tokenizer = data.load(task, mesh)
-    model = adapters.apply(model, cfg, accelerator.device.type, task.peft_task_type)
+        model, tokenizer = declared.load(cfg, *data.read(declared))
+        data.prepare_rows(declared, tokenizer, model, mesh)
+    model = adapters.apply(model, cfg, accelerator.device.type, declared.peft_task_type)
     model = backend.tensor_parallel_model(accelerator, model)
-    # The task as this run uses it: its loss settings, DPO's frozen reference (copied before training changes the model).
-    task = task.for_run(model, accelerator, cfg)
+    # Bound to the model as loaded: DPO's frozen reference is copied before training changes the model.
+    task = declared.bind(cfg, model, accelerator)
 
-    data.build_loaders(accelerator, task, tokenizer, model, mesh, replicas)
+    data.build_loaders(accelerator, declared, tokenizer, model, mesh, replicas)
     if backend.model_checkpointing(cfg):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
@@ -120,30 +133,34 @@ def setup(cfg: RunConfig) -> Run:
         # Non-reentrant: works with frozen inputs and keeps the RNG state, so results match without it.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = backend.place_model(accelerator, model)
-    seq_length = task.sequence_length(cfg, model)
+    seq_length = declared.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
     shards = mesh.parameter_shards if mesh.shard_parameters else backend.parameter_shards(accelerator)
-    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), workload=task.workload(cfg, model))
+    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), workload=task.workload(model))
     model_flops = flops.model_flops(model)
     peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type,
                                 dtensors=backend.has_dtensor_parameters(accelerator))
-    model, optimizer = data.prepare(accelerator, model, optimizer, mesh)
-    if accelerator.gradient_accumulation_steps != accumulation:
+    model, optimizer, *loaders = accelerator.prepare(model, optimizer, *data.loaders())
+    data.use_prepared(loaders, mesh)
+    if accelerator.gradient_accumulation_steps != train_step.micro_batches_per_update:
         # accelerate takes a DeepSpeed config file's own value over the run's (with a warning only).
         raise UserError(f"train.gradient_accumulation_steps: the launch's DeepSpeed config accumulates "
                         f"{accelerator.gradient_accumulation_steps} micro-batches per update, this run "
-                        f"{accumulation}; set gradient_accumulation_steps to auto in the "
+                        f"{train_step.micro_batches_per_update}; set gradient_accumulation_steps to auto in the "
                         "DeepSpeed config file, or remove it there")
     steps_per_epoch = data.steps_per_epoch  # None for a stream: train.max_steps sizes the run
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
-    # One schedule step per weight update: a step of grpo updates grpo.iterations x grpo.generation_steps times.
+    # One schedule step per weight update (a step of online RL updates iterations x generation_steps times).
     # prepare_scheduler, not prepare: under DeepSpeed, prepare() of a scheduler alone returns it unregistered, so
     # checkpoints lacked its state (a resume restarted the warmup).
-    scheduler = accelerator.prepare_scheduler(
-        build_scheduler(optimizer, cfg.optim, total_steps * task.updates_per_step(cfg)))
+    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, cfg.optim, total_steps * train_step.updates))
     mesh.attach(accelerator, optimizer)
+    k = cfg.distributed.local_sgd_steps  # local SGD: parameters averaged every k updates, no gradient all-reduce
+    update = Update(accelerator, model, optimizer, scheduler, t.max_grad_norm,
+                    health.SkippedSteps(t.max_skipped_steps) if t.on_nonfinite == "skip" else None,
+                    LocalSGD(accelerator, model, k) if k else None)
 
     plan = {
         **backend.describe(cfg, accelerator, mesh),
@@ -159,14 +176,15 @@ def setup(cfg: RunConfig) -> Run:
                                  f"({model_flops.matmul_parameters / 1e6:.2f}M non-embedding parameters; PaLM's "
                                  "6N + 12LHQT, framework/flops.py)",
         "peak_flops": f"{peak / 1e12:.4g} TFLOP/s per device ({peak_source})" if peak else None,
-        "notes": (backend.notes(cfg, accelerator) + start.notes + data.notes(task)
+        "notes": (notes + backend.notes(cfg, accelerator) + start.notes + data.notes(declared)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
     # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
     expected_graphs = len(data.buckets or []) + 4
-    return Run(cfg, accelerator, task, model, tokenizer, optimizer, scheduler, data, total_steps, plan, backend.CompileWatch(accelerator, expected_graphs), start,
-               memory_plan, mesh, model_flops, peak * replicas if peak else None, Clock(), lm_harness, task.step(cfg),
-               checkpoint.SkippedSteps(t.max_skipped_steps) if t.on_nonfinite == "skip" else None)
+    return Run(cfg=cfg, accelerator=accelerator, mesh=mesh, model=model, tokenizer=tokenizer, task=task, data=data,
+               train_step=train_step, update=update, total_steps=total_steps, start=start, plan=plan,
+               memory_plan=memory_plan, model_flops=model_flops, peak_flops=peak * replicas if peak else None,
+               compile_watch=backend.CompileWatch(accelerator, expected_graphs), clock=Clock(), harness=lm_harness)
 
 
 def _checked(problems: List[str], check, *args):
@@ -176,85 +194,6 @@ def _checked(problems: List[str], check, *args):
     except UserError as e:
         problems.append(str(e))
         return None
-
-
-@dataclass
-class Window:
-    """What one log window trained: read at its close."""
-
-    loss: float  # mean per target over the window and all processes
-    micro_steps: int
-    seconds: float
-    tokens: int  # real (non-padding) tokens, all processes
-    flops: float  # model FLOPs of those tokens (framework.flops)
-    metrics: Dict[str, float]  # the steps' further scalars (StepResult.metrics), each its mean over the window
-    examples: List[Dict[str, object]]  # the window's last step's (StepResult.examples)
-
-
-class LossWindow:
-    """Training loss (a sum over targets, with their count) and tokens, as the steps report them (framework.step),
-    summed on the device and read only at log intervals: reading them every step would force a host sync (and on
-    XLA cut the step's graph)."""
-
-    def __init__(self, accelerator: Accelerator, model_flops: flops.ModelFlops):
-        self.accelerator, self.model_flops = accelerator, model_flops
-        self.loss_sum = backend.zero_scalar(accelerator)
-        self.targets = backend.zero_scalar(accelerator)
-        # Since the start of this process's training: real tokens, and each token times its row's real length
-        # (attention's FLOPs grow with it); ``logged``: their values at the latest close.
-        self.tokens = backend.zero_scalar(accelerator, torch.long)
-        self.token_context = backend.zero_scalar(accelerator, torch.long)
-        self.logged = (0, 0)
-        self.micro_steps, self.start = 0, time.perf_counter()
-        self.metrics: Dict[str, list] = {}  # name -> [sum, steps] over the window
-        # The last step's examples: a log window ends at the step it logs, so a resumed run logs the same ones.
-        self.examples: List[Dict[str, object]] = []
-
-    def add(self, result: StepResult) -> None:
-        self.loss_sum += result.loss_sum
-        self.targets += result.targets
-        self.tokens += result.tokens
-        self.token_context += result.token_context
-        self.micro_steps += result.micro_steps
-        self.examples = result.examples
-        for name, value in result.metrics.items():
-            total = self.metrics.setdefault(name, [0.0, 0])
-            total[0] += value
-            total[1] += 1
-
-    def close(self) -> Window:
-        """Host sync: the window's figures over all processes; starts a new window."""
-        loss = backend.read_scalar(self.accelerator, self.loss_sum, "sum") / backend.read_scalar(
-            self.accelerator, self.targets, "sum")
-        (tokens, context), before = self.totals(), self.logged
-        result = Window(loss, self.micro_steps, time.perf_counter() - self.start, tokens - before[0],
-                        self.model_flops.total(tokens - before[0], context - before[1]),
-                        {name: total / steps for name, (total, steps) in self.metrics.items()}, self.examples)
-        self.logged = (tokens, context)
-        self.loss_sum, self.targets = backend.zero_scalar(self.accelerator), backend.zero_scalar(self.accelerator)
-        self.micro_steps, self.start, self.metrics, self.examples = 0, time.perf_counter(), {}, []
-        return result
-
-    def totals(self) -> tuple:
-        """Host sync: (tokens, token context) trained on by this process's run so far, all processes (the processes
-        of a tensor-parallel group train on the same tokens: counted once)."""
-        tp = backend.tensor_parallel_size(self.accelerator)
-        return tuple(int(backend.read_scalar(self.accelerator, t, "sum")) // tp
-                     for t in (self.tokens, self.token_context))
-
-    def snapshot(self) -> dict:
-        """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
-        processes: restored on every process, the next logged sum over processes is the same."""
-        return {"loss_sum": backend.read_scalar(self.accelerator, self.loss_sum, "mean"),
-                "targets": backend.read_scalar(self.accelerator, self.targets, "mean"),
-                "micro_steps": self.micro_steps, "metrics": self.metrics}
-
-    def restore(self, snapshot: Optional[dict]) -> None:
-        if snapshot:
-            self.loss_sum = self.loss_sum + snapshot["loss_sum"]
-            self.targets = self.targets + snapshot["targets"]
-            self.micro_steps = snapshot["micro_steps"]
-            self.metrics = {name: list(total) for name, total in snapshot.get("metrics", {}).items()}
 
 
 class Saves:
@@ -289,7 +228,7 @@ class Saves:
         # agree with an all-reduce, a host read at log steps.
         several = self.run.accelerator.num_processes > 1
         with self.run.compile_watch.host_work() if several else nullcontext():
-            stop, due = checkpoint.any_process(self.run.accelerator, self.signals.signal is not None, due)
+            stop, due = backend.any_process(self.run.accelerator, self.signals.signal is not None, due)
         if backend.is_tensor_parallel(self.run.accelerator):  # no checkpoints (backend.selection._tensor_parallel_problem)
             if stop:
                 raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; a tensor-"
@@ -311,16 +250,14 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
     window.restore(state.window)
     profiler = StepProfiler(run.accelerator, cfg.train.profile_steps, Path(cfg.output_dir), reporter.print)
     run.model.train()
-    # Local SGD: no gradient all-reduce; parameters are averaged every K optimizer steps (and at the end).
-    k = cfg.distributed.local_sgd_steps
-    local_sgd = LocalSGD(run.accelerator, run.model, k) if k else None
     saves = Saves(run, signals, reporter)
     run.compile_watch.begin()
     profiler.after_step(state.step)
     try:
-        with local_sgd or nullcontext(), signals.deferred():
+        # Local SGD: no gradient all-reduce; parameters are averaged every K updates, and at the end.
+        with run.update.local_sgd or nullcontext(), signals.deferred():
             while state.step < run.total_steps and not state.stopped_early:
-                if _train_epoch(run, reporter, state, window, local_sgd, saves, profiler):
+                if _train_epoch(run, reporter, state, window, saves, profiler):
                     state.epoch, state.epoch_step = state.epoch + 1, 0
                     if cfg.eval.every_steps is None:
                         _log_eval(run, reporter, state)
@@ -336,8 +273,8 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
     return run.model_flops.total(tokens, token_context)
 
 
-def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow,
-                 local_sgd: Optional[LocalSGD], saves: Saves, profiler: StepProfiler) -> bool:
+def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWindow, saves: Saves,
+                 profiler: StepProfiler) -> bool:
     """The rest of the current epoch (or until the run stops); returns whether the epoch completed."""
     cfg = run.cfg
     accum = cfg.train.gradient_accumulation_steps
@@ -349,24 +286,17 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
         step_batches.append(run.mesh.shard_batch(batch))
         if len(step_batches) < accum:
             continue
-        skips = run.skipped_steps
-        if skips is not None:
-            skips.begin(state.step + 1)
+        run.update.begin(state.step + 1)
         with profiler.step(state.step + 1):
-            result = run.step(run, step_batches)
+            result = run.train_step(run.context, step_batches)
         step_batches = []
-        if skips is None or not skips.in_step:
+        state.skipped_steps, state.skipped_in_a_row = run.update.skip_counts
+        if not run.update.skipped:
             window.add(result)
         else:  # its loss is not finite: kept out of the logged mean, its examples not shown
-            window.examples = []
+            window.skip()
             reporter.print(f"warning: step {state.step + 1} skipped: its gradient norm is not finite (train.on_"
-                           f"nonfinite: skip; {skips.in_a_row} in a row, {skips.total} in all)")
-        if skips is not None:
-            state.skipped_steps, state.skipped_in_a_row = skips.total, skips.in_a_row
-        for _ in range(run.task.updates_per_step(cfg)):
-            run.scheduler.step()
-        if local_sgd is not None:
-            local_sgd.step()
+                           f"nonfinite: skip; {state.skipped_in_a_row} in a row, {state.skipped_steps} in all)")
         state.step += 1
         state.epoch_step += 1
         state.epoch = run.data.epoch(state.epoch)
@@ -390,7 +320,7 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     snapshot = window.snapshot()
     unlogged = snapshot["loss_sum"] / snapshot["targets"] if snapshot["targets"] else None
-    checkpoint.check_finite(run.accelerator, run.model, unlogged, state.step)  # never a non-finite checkpoint
+    health.check_finite(run.accelerator, run.model, unlogged, state.step)  # never a non-finite checkpoint
     saved = dict(asdict(state), window=snapshot, tokens=state.tokens + window.totals()[0])
     checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
                     recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * run.mesh.devices,
@@ -404,16 +334,17 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
     state.last_loss = closed.loss
     steps = closed.micro_steps / run.cfg.train.gradient_accumulation_steps
     speed = steps * run.plan["effective_batch"] / closed.seconds
-    record = {"step": state.step, "epoch": state.epoch, "loss": closed.loss, "lr": run.scheduler.get_last_lr()[0],
+    record = {"step": state.step, "epoch": state.epoch, "loss": closed.loss,
+              "lr": run.update.scheduler.get_last_lr()[0],
               "samples_per_second": speed, "tokens_per_second": closed.tokens / closed.seconds, **closed.metrics}
     if closed.examples:
         record["examples"] = closed.examples
     if run.peak_flops:
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
-    if run.skipped_steps is not None:
+    if run.update.skips is not None:
         record["skipped_steps"] = state.skipped_steps
     reporter.log(record)
-    checkpoint.check_finite(run.accelerator, None, closed.loss, state.step)  # logged, then the run stops
+    health.check_finite(run.accelerator, None, closed.loss, state.step)  # logged, then the run stops
     reporter.show_speed(closed.loss, speed, record["tokens_per_second"])
     warning = run.compile_watch.check(state.step)
     if warning:
@@ -431,7 +362,7 @@ def _log_eval(run: Run, reporter: Reporter, state: TrainState) -> None:
         if metric is None:
             return
         greater = run.cfg.eval.greater_is_better
-        greater = run.task.greater_is_better(metric) if greater is None else greater
+        greater = run.task.task.greater_is_better(metric) if greater is None else greater
         value = results[metric]
         if state.best_value is None or (value > state.best_value if greater else value < state.best_value):
             state.best_step, state.best_value, state.evals_without_improvement = state.step, value, 0
@@ -453,7 +384,7 @@ def _log_harness(run: Run, reporter: Reporter, state: TrainState, model: torch.n
 
 
 def _save_model(run: Run, step: int) -> None:
-    checkpoint.check_finite(run.accelerator, run.model, None, step)  # no model/ of non-finite weights
+    health.check_finite(run.accelerator, run.model, None, step)  # no model/ of non-finite weights
     merge = run.cfg.peft is not None and run.cfg.peft.merge
     checkpoint.save_model(run.accelerator, run.model, run.tokenizer, Path(run.cfg.output_dir) / "model", run.mesh,
                           merge)
@@ -495,6 +426,7 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
     for the whole run; without them a signal is handled only inside the training loop. However it ends, what the
     run built is freed before this returns (backend.release)."""
     started = time.perf_counter()
+    noise.silence()
     run = setup(cfg)
     accelerator = run.accelerator
     finished = False
@@ -523,8 +455,7 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
     if start.resume_from is not None:
         state = TrainState(**checkpoint.load(acc, start.resume_from))
         run.data.resume(acc, start.resume_from)
-        if run.skipped_steps is not None:
-            run.skipped_steps.total, run.skipped_steps.in_a_row = state.skipped_steps, state.skipped_in_a_row
+        run.update.skip_counts = state.skipped_steps, state.skipped_in_a_row
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         for folder in (out, out / "checkpoints"):  # what an earlier run stopped mid-write left
@@ -550,7 +481,7 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
     fit_start = time.perf_counter()
     try:
         model_flops = fit(run, reporter, state, signals or Signals())
-    except (checkpoint.Preempted, checkpoint.Diverged, UserError):
+    except (checkpoint.Preempted, health.Diverged, UserError):
         if page is not None:  # the page shows where the run stopped
             page.write()
         raise
@@ -581,7 +512,7 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
         "device": run.plan["device"],
         "num_processes": acc.num_processes,
         "precision": acc.mixed_precision,
-        "memory": memory.measured(backend.unwrap(acc, run.model, run.mesh), run.optimizer.optimizer,
+        "memory": memory.measured(backend.unwrap(acc, run.model, run.mesh), run.update.optimizer.optimizer,
                                   backend.peak_memory_bytes(acc), held=backend.held_bytes(acc, run.mesh)),
         "memory_plan": run.memory_plan,
         "mfu": model_flops / fit_seconds / run.peak_flops if run.peak_flops else None,
@@ -598,7 +529,7 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
     # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
     # collectives together; on XLA on a host copy (backend.generating), after the XLA figures.
     with backend.generating(acc, run.model, run.mesh) as model:
-        sample = run.task.sample(model, run.tokenizer, cfg, run.data.eval_ds)
+        sample = run.task.sample(model, run.tokenizer, run.data.eval_ds)
         if sample is not None:
             summary["sample"] = sample
             if acc.is_main_process:
@@ -614,5 +545,6 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
         write_json(out / "summary.json", summary)
         if cfg.report.enabled:
             write_report(out)
-        print(f"done: eval {run.task.metric} {summary['eval'][run.task.metric]:.4f}, outputs in {out}")
+        metric = run.task.task.metric
+        print(f"done: eval {metric} {summary['eval'][metric]:.4f}, outputs in {out}")
     return summary

@@ -4,7 +4,7 @@ process) of the run's function at POINT. In this process (``inject``, the harnes
 tests/scripts/fault_at.py (``FAULT=KIND@POINT:N``, for SIGKILL, which needs a process of its own).
 
 Points:
-- ``micro``: a micro-batch's forward and backward (``framework.step.backward_and_step``, every task's step);
+- ``micro``: a micro-batch's forward and backward (``framework.step.Update.micro_batch``, every task's step);
 - ``log``: a line of metrics.jsonl written (``Reporter.log``);
 - ``save``: inside a checkpoint's write, the state files written into its temporary folder but the manifest and
   the rename not yet done (``framework.backend.save_state``);
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 BALLAST = ".ballast"
-POINTS = {"micro": ("framework.step", "backward_and_step"), "log": ("framework.report", "Reporter.log"),
+POINTS = {"micro": ("framework.step", "Update.micro_batch"), "log": ("framework.report", "Reporter.log"),
           "save": ("framework.backend", "save_state"), "eval": ("framework.train", "evaluate")}
 
 
@@ -56,7 +56,7 @@ def act(kind: str, disk: Path, output_dir: Path, args: tuple = ()) -> None:
     elif kind == "nan":
         import torch
 
-        weight = next(args[0].model.parameters())  # backward_and_step(run, ...)
+        weight = next(args[0].model.parameters())  # Update.micro_batch(self, ...)
         with torch.no_grad():
             getattr(weight, "ds_tensor", weight).view(-1)[0] = float("nan")
     else:

@@ -135,14 +135,15 @@ def test_text_pair_column_trains_on_both_texts(capsys, tiny_model, hf_home, tmp_
     from transformers import AutoTokenizer
 
     from framework import run_data
-    from framework.config import load_config
+    from framework.recipe import load_config
     from framework.tasks import get_task
 
     cfg = load_config(tmp_path / "out" / "config.yaml", [])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with fresh_process(hf_home):
-        data = run_data.open(cfg)
-        data.load(get_task(cfg.task))
+        data, task = run_data.from_recipe(cfg), get_task(cfg.task)
+        model, tokenizer = task.load(cfg, *data.read(task))
+        data.prepare_rows(task, tokenizer, model)
         first = data.eval_ds[0]
     assert tokenizer.decode(first["input_ids"]) == f"[CLS] the film [SEP] {eval_rows[0]['review']} [SEP]"
     assert first["token_type_ids"] == [0] * 4 + [1] * (len(first["input_ids"]) - 4)

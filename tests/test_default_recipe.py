@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ROOT, write_csv
 from framework import run_data
-from framework.config import load_config
+from framework.recipe import load_config
 from framework.tasks import get_task
 
 RECIPE = ROOT / "recipes" / "text_classification.yaml"
@@ -25,8 +25,9 @@ def test_default_recipe_on_a_sample_beats_the_majority_class(cli, tmp_path, monk
 
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
     cfg = load_config(RECIPE, SAMPLE)
-    data = run_data.open(cfg)
-    data.load(get_task(cfg.task))
+    data, task = run_data.from_recipe(cfg), get_task(cfg.task)
+    model, tokenizer = task.load(cfg, *data.read(task))
+    data.prepare_rows(task, tokenizer, model)
     labels = np.array(data.eval_ds["labels"])
     majority = np.bincount(labels).max() / len(labels)
     assert accuracy >= majority + 0.1, (accuracy, majority)

@@ -68,20 +68,23 @@ def ours(tokenizer, policy, reference, batch_or_rows, **dpo):
     """Our per-pair outputs and metrics: from raw rows (prepared and collated by the task), or from a batch."""
     import datasets
 
-    from framework.config import DataConfig, schema
-    from framework.tasks.dpo import DpoConfig
-    from framework.tasks.dpo import DPO
+    from framework.config import DataConfig
+    from framework.recipe import schema
+    from framework.tasks import get_task
+    from framework.tasks.completions import Reference
+    from framework.tasks.dpo import DpoConfig, DpoRun
 
     cfg = schema()(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(**dpo))
-    task = DPO(cfg.dpo, reference)
+    task = get_task("dpo")
+    run = DpoRun(task, cfg, reference=Reference(reference) if reference is not None else None)
     if isinstance(batch_or_rows, list):
         features = task.prepare(datasets.Dataset.from_list(batch_or_rows), tokenizer, policy, cfg)
         batch = task.collator(tokenizer, cfg, None)(list(features))
     else:
         batch = batch_or_rows
     with torch.no_grad():
-        outputs = task.eval_outputs(policy, batch)
-    return batch, task.metrics({k: v.numpy() for k, v in outputs.items()})
+        outputs = run.eval_outputs(policy, batch)
+    return batch, run.metrics({k: v.numpy() for k, v in outputs.items()})
 
 
 def assert_metrics_equal_trl(mine: dict, trl: dict, loss: float, logps: bool = True) -> None:
@@ -155,18 +158,21 @@ def test_chunked_log_probabilities_equal_full_logits(loss):
     tied to the embeddings) give the full logits' loss and gradients within 1e-6 relative (fp32)."""
     import datasets
 
-    from framework.config import DataConfig, schema
-    from framework.tasks.dpo import DpoConfig
     from framework import losses
-    from framework.tasks.dpo import DPO
+    from framework.config import DataConfig
+    from framework.recipe import schema
+    from framework.tasks import get_task
+    from framework.tasks.completions import Reference
+    from framework.tasks.dpo import DpoConfig, DpoRun
     from helpers import grads, relative, worst_gradient
 
     tokenizer, policy, reference = gpt2_models()
     assert losses.output_head(policy) is policy.lm_head  # the chunked path is taken
     cfg = schema()(task="dpo", data=DataConfig(max_length=1024), dpo=DpoConfig(loss=loss, beta=0.3))
-    full = DPO(cfg.dpo, None if loss == "simpo" else reference)
-    features = full.prepare(datasets.Dataset.from_list(ROWS), tokenizer, policy, cfg)
-    batch = full.collator(tokenizer, cfg, None)(list(features))
+    declared = get_task("dpo")
+    full = DpoRun(declared, cfg, reference=None if loss == "simpo" else Reference(reference))
+    features = declared.prepare(datasets.Dataset.from_list(ROWS), tokenizer, policy, cfg)
+    batch = declared.collator(tokenizer, cfg, None)(list(features))
     results = []
     # One thread: with two, BLAS splits a 7-row chunk's product over the 50k-term vocabulary sum (softmax minus
     # one-hot: its terms cancel), the full logits' product over rows, so the two sum in other orders: measured

@@ -222,9 +222,10 @@ def test_per_class_figures_and_confusion_matrix_equal_scikit_learn():
     per class, and the macro F1 over the classes present, as scikit-learn computes them."""
     from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
 
+    from framework.config import RunConfig
     from framework.tasks import get_task
 
-    classification = get_task("text_classification")
+    classification = get_task("text_classification").bind(RunConfig(), None, None)
 
     rng = np.random.default_rng(0)
     labels = rng.choice([0, 1, 3], size=200)

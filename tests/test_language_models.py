@@ -17,11 +17,13 @@ from in_process import run_main
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_packed_logits_and_loss_equal_each_document_alone(kind):
+    from framework.config import RunConfig
     from framework.tasks import get_task, language
 
-    task = get_task("causal_lm")
+    model = tiny_causal_lm(kind)
+    task = get_task("causal_lm").bind(RunConfig(), model, None)
 
-    model, batch = tiny_causal_lm(kind), packed_batch()
+    batch = packed_batch()
     assert batch["position_ids"].shape == (3, 32)  # 99 tokens with EOS-less docs: 3 blocks, 3 tokens dropped
     with torch.no_grad():
         logits, targets = task.forward(model, batch)

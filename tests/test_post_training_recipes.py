@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from helpers import REFERENCES, ROOT, cli_runner
-from framework.config import load_config
+from framework.recipe import load_config
 from framework.data import load_splits
 from framework.tasks import get_task
 
@@ -236,7 +236,7 @@ def test_continued_pretraining_on_hamlet_lowers_held_out_perplexity(cli, untouch
 
 
 def sum_rewards(answers, right) -> dict:
-    """The grpo recipe's rewards, written here apart from framework/rewards.py: 1 where the last number of the answer
+    """The grpo recipe's rewards, written here apart from framework/tasks/online_rl/rewards.py: 1 where the last number of the answer
     is the sum, 0.5 where the answer is a number and nothing else; their means and the weighted total's."""
     numbers = [re.findall(r"[-+]?\d+(?:\.\d*)?", a.replace(",", "")) for a in answers]
     right_number = [float(bool(n) and float(n[-1]) == float(r)) for n, r in zip(numbers, right)]

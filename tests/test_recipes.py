@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import ROOT
-from framework.config import load_config
+from framework.recipe import load_config
 from framework.errors import UserError
 from in_process import run_main
 

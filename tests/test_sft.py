@@ -40,7 +40,7 @@ PROMPT_COMPLETION = [{"prompt": "The sky is", "completion": " blue."}, {"prompt"
 
 
 def sft_config(*overrides: str):
-    from framework.config import load_config
+    from framework.recipe import load_config
 
     return load_config(TINY_LM, ["task=sft", f"model.tokenizer={GPT2}", "data.train_file=unused.jsonl",
                                  "data.packing=false", "data.block_size=256", "model.config.n_positions=256", *overrides])
@@ -55,8 +55,9 @@ def ours(cfg, rows, model=None):
     model = (model or loaded).eval()
     features = task.prepare(datasets.Dataset.from_list(rows), tokenizer, model, cfg)
     batch = task.collator(tokenizer, cfg, None)(list(features))
+    run = task.bind(cfg, model, None)
     with torch.no_grad():
-        loss = task.loss_sum(model, batch) / task.targets(batch)
+        loss = run.loss_sum(model, batch) / run.targets(batch)
     return model, features, batch, loss
 
 
@@ -150,9 +151,10 @@ def test_packed_conversations_equal_one_per_row():
     torch.testing.assert_close(packed_loss, rows_loss, rtol=1e-5, atol=1e-6)
     from framework.tasks import get_task
 
+    run = get_task("sft").bind(cfg, model, None)
     with torch.no_grad():
-        packed = get_task("sft").eval_outputs(model, blocks_batch)
-        alone = get_task("sft").eval_outputs(model, rows_batch)
+        packed = run.eval_outputs(model, blocks_batch)
+        alone = run.eval_outputs(model, rows_batch)
     for key in ("targets", "correct", "answers", "answers_correct"):
         assert packed[key].sum() == alone[key].sum(), key
     assert int(alone["answers"].sum()) == sum(m["role"] == "assistant" for c in CONVERSATIONS for m in c) * 3

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import TINY_RECIPE, tiny_args
-from framework import train
-from framework.config import load_config
+from framework import flops, train
+from framework.recipe import load_config
 from framework.step import StepResult, SupervisedStep
 from framework.tasks.text_classification import TextClassification
 from in_process import fresh_process, train_ok
@@ -21,10 +21,10 @@ class CountingStep(SupervisedStep):
 
     calls, per_token = 0, None
 
-    def __call__(self, run, batches) -> StepResult:
+    def __call__(self, ctx, batches) -> StepResult:
         CountingStep.calls += 1
-        CountingStep.per_token = run.model_flops.per_token
-        result = super().__call__(run, batches)
+        CountingStep.per_token = flops.model_flops(ctx.accelerator.unwrap_model(ctx.model)).per_token
+        result = super().__call__(ctx, batches)
         result.tokens, result.token_context = TOKENS_PER_STEP, 0
         result.metrics = {"calls": float(CountingStep.calls)}  # a further scalar, logged as its window's mean
         return result
@@ -32,7 +32,7 @@ class CountingStep(SupervisedStep):
 
 class CountingTask(TextClassification):
     def step(self, cfg):
-        return CountingStep()
+        return CountingStep(cfg)
 
 
 def test_a_task_supplies_its_own_step_and_the_loop_counts_its_tokens_and_logs_its_metrics(
@@ -56,11 +56,11 @@ def test_the_supervised_step_counts_real_tokens_and_targets(tiny_model, easy_dat
                                     f"output_dir={tmp_path / 'out'}", "train.gradient_accumulation_steps=2"])
     with fresh_process(hf_home):
         run = train.setup(cfg)
-        assert isinstance(run.step, SupervisedStep)
+        assert isinstance(run.train_step, SupervisedStep) and run.train_step.micro_batches_per_update == 2
         iterator = iter(run.data.train_dl)
         batches = [next(iterator), next(iterator)]
         run.model.train()
-        result = run.step(run, batches)
+        result = run.train_step(run.context, batches)
     lengths = torch.cat([batch["attention_mask"].sum(dim=1) for batch in batches])
     assert int(result.tokens) == int(lengths.sum()) and int(result.token_context) == int((lengths * lengths).sum())
     assert result.targets == sum(run.task.targets(batch) for batch in batches) == 2 * cfg.train.batch_size

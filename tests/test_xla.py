@@ -189,12 +189,12 @@ def test_xla_profile_and_no_mfu_for_a_device_without_a_known_peak(one_device):
 def test_packed_logits_equal_each_document_alone_on_xla(kind):
     import torch_xla
 
+    from framework.config import RunConfig
     from framework.tasks import get_task
-
-    task = get_task("causal_lm")
 
     xla = torch_xla.device()
     model, batch = tiny_causal_lm(kind).to(xla), packed_batch()
+    task = get_task("causal_lm").bind(RunConfig(), model, None)
     with torch.no_grad():
         logits = task.forward(model, {k: v.to(xla) for k, v in batch.items()})[0].cpu()
         worst = 0.0

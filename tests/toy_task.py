@@ -3,7 +3,8 @@ from a text, on a pretrained encoder with a one-output head, trained on the mean
 
 A recipe names it ``task: tests/toy_task.py:ToyTask``. Its own section, ``toy:``, has one column key
 (``toy.target_column``) and one option (``toy.scale``: the targets are multiplied by it); its eval metrics are
-the loss (the mean squared error) and ``mae``; report.html gets its section of figures.
+the loss (the mean squared error) and ``mae``; report.html gets its section of figures. What it declares is
+``ToyTask``; what a run binds, its loss and evaluation, ``ToyRun``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data
 from framework.errors import UserError
-from framework.tasks import MODEL_ERRORS, ReportSection, Task
+from framework.tasks import MODEL_ERRORS, ReportSection, Task, TaskRun
 
 TARGETS = "labels"  # the column the collator pads alongside the tokens
 
@@ -40,7 +41,7 @@ class ToyTask(Task):
     options = ("toy", ToyConfig)
     reads = ("data.max_length", "toy")
 
-    def check(self, cfg) -> List[str]:
+    def check(self, cfg, strategy) -> List[str]:
         problems = []
         if not cfg.model.name_or_path:
             problems.append("model.name_or_path is required: the toy task fine-tunes a pretrained encoder")
@@ -78,6 +79,18 @@ class ToyTask(Task):
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return data.collator(tokenizer, buckets, rows)
 
+    def bind(self, cfg, model, accelerator) -> "ToyRun":
+        return ToyRun(self, cfg)
+
+    def report_sections(self, output_dir, summary, plots_dir) -> List[ReportSection]:
+        evaluation = summary.get("eval") or {}
+        return [ReportSection("Toy regression (eval)", ["figure", "value"],
+                              [(k, evaluation[k]) for k in ("mae", "examples") if k in evaluation])]
+
+
+class ToyRun(TaskRun):
+    """The mean squared error of one run's predictions."""
+
     def targets(self, batch: Dict[str, torch.Tensor]) -> int:
         return batch[TARGETS].shape[0]
 
@@ -98,8 +111,3 @@ class ToyTask(Task):
         errors = gathered["predictions"].astype(np.float64) - gathered["targets"]
         return {"loss": float(np.mean(gathered["loss"], dtype=np.float64)), "mae": float(np.mean(np.abs(errors))),
                 "examples": int(len(errors))}
-
-    def report_sections(self, output_dir, summary, plots_dir) -> List[ReportSection]:
-        evaluation = summary.get("eval") or {}
-        return [ReportSection("Toy regression (eval)", ["figure", "value"],
-                              [(k, evaluation[k]) for k in ("mae", "examples") if k in evaluation])]

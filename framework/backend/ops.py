@@ -104,3 +104,12 @@ def preemption_check_interval(accelerator: Accelerator, log_every: int) -> int:
     must agree on the step (an all-reduce and a host read), so they check only when they log anyway."""
     return 1 if accelerator.num_processes == 1 else log_every
 
+
+
+def any_process(accelerator: Accelerator, *flags: bool) -> List[bool]:
+    """Each flag, true when it is true on any process. With several processes this is an all-reduce and a
+    host read, so the loop asks only at log steps; one process just reads its own flags."""
+    if accelerator.num_processes == 1:
+        return list(flags)
+    summed = accelerator.reduce(torch.tensor([float(f) for f in flags], device=accelerator.device), reduction="sum")
+    return [bool(v) for v in summed.tolist()]

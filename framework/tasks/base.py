@@ -1,5 +1,5 @@
-"""The task interface (:class:`Task`, documented in framework/tasks/__init__.py) and the registry of tasks by
-recipe name."""
+"""The task interface (:class:`Task`, what a task declares, and :class:`TaskRun`, the task bound to one run;
+documented in framework/tasks/__init__.py and docs/adding-a-task.md) and the registry of tasks by recipe name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
+from framework import backend
 from framework.config import core_keys
 from framework.errors import UserError
 from framework.memory import Workload
@@ -34,46 +35,33 @@ class ReportSection:
 
 
 class Task:
+    """What a task declares, the same for every run: its recipe keys and their checks, its data and model, and which
+    step the loop runs. One instance per task sits in the registry and holds nothing of a run: ``bind`` makes the
+    ``TaskRun`` a run trains with."""
+
     name: str
     pipeline: str  # what model/ loads as in transformers.pipeline()
     metric: str  # the headline metric, printed at the end
     lower_is_better = ("loss", "perplexity")
-    token_logits = False  # language models: logits over the vocabulary for every token (the memory plan counts them)
     reads: Tuple[str, ...] = ()  # the task-specific recipe keys (dotted) or sections it reads
-    harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
-    sequences_per_example = 1  # rows each example puts through the model (DPO: its chosen and rejected sequences)
-    keeps_other_columns = False  # rows keep every column of the data, not only columns(cfg) (GRPO's rewards read them)
     options: Optional[Tuple[str, type]] = None  # (section, dataclass): the recipe section of its own keys (in reads)
+    moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
+    harness = False  # whether lm-evaluation-harness can score its model (eval.harness): causal language models
+    keeps_other_columns = False  # rows keep every column of the data, not only columns(cfg) (online RL's rewards)
     # peft's task type for its model (LoRA): what the wrapped model's forward accepts and, for classification, the
     # new head (``classifier`` or ``score``) kept trainable; None: peft's default.
     peft_task_type: Optional[str] = None
-    moved_from_data: Tuple[str, ...] = ()  # keys of that section once spelt data.KEY: still read so, with a note
 
-    def for_run(self, model: torch.nn.Module, accelerator, cfg) -> "Task":
-        """The task for one run, given its model as loaded (adapters applied, not yet placed nor wrapped): itself,
-        or a copy holding the recipe's loss settings and what the run needs beside the model (placed on
-        ``accelerator.device``)."""
-        return self
-
-    def frozen_models(self) -> List[torch.nn.Module]:
-        """Models this task holds on the device beside the trained one, never trained nor saved (the memory plan
-        counts their weights)."""
+    def check(self, cfg, strategy: backend.Strategy) -> List[str]:
+        """Problems with the recipe keys this task reads, and with the ``strategy`` the run will have (the launch
+        resolved), each naming its key: called before anything is loaded."""
         return []
 
-    def workload(self, cfg, model: torch.nn.Module) -> Workload:
-        """What the memory plan counts of this task beside the model's states: its sequences (length, rows per
-        example), its logits and frozen models (call it on the task ``for_run`` returned)."""
-        return Workload(seq_length=self.sequence_length(cfg, model), sequences=self.sequences_per_example,
-                        token_logits=self.token_logits, logits_chunk=self.logits_chunk(model),
-                        frozen=self.frozen_models())
+    def metric_names(self) -> Tuple[str, ...]:
+        raise NotImplementedError
 
-    def check(self, cfg) -> List[str]:
-        """Problems with the recipe keys this task reads, each naming its key."""
-        return []
-
-    def logits_chunk(self, model: torch.nn.Module) -> Optional[int]:
-        """Tokens whose logits the loss holds at once (the memory plan counts them), None for all of them."""
-        return None
+    def greater_is_better(self, name: str) -> bool:
+        return name not in self.lower_is_better
 
     def columns(self, cfg) -> Dict[str, str]:
         """Recipe key -> column name, for every column a row must have."""
@@ -101,6 +89,37 @@ class Task:
         in a ``valid`` column."""
         raise NotImplementedError
 
+    def notes(self, cfg, train_ds: Optional[datasets.Dataset], eval_ds: datasets.Dataset) -> List[str]:
+        """Lines for the plan about the prepared data (rows dropped or truncated); ``train_ds`` is None for a stream."""
+        return []
+
+    def step(self, cfg) -> Step:
+        """The step the loop runs over each step's micro-batches (framework/step.py)."""
+        return SupervisedStep(cfg)
+
+    def bind(self, cfg, model: torch.nn.Module, accelerator) -> "TaskRun":
+        """The task as one run uses it, given the model as loaded (adapters applied, not yet placed nor wrapped):
+        the recipe's settings of its loss and what it holds beside the model (placed on ``accelerator.device``)."""
+        raise NotImplementedError
+
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Sections of report.html from a finished run (its summary.json, ``summary``; the files in
+        ``output_dir``), their plots drawn into ``plots_dir``."""
+        return []
+
+
+class TaskRun:
+    """A task bound to one run (``Task.bind``): its loss and evaluation, with the run's settings and whatever it holds
+    beside the trained model. The step, the evaluation and the memory plan call it; ``task`` is its declaration."""
+
+    def __init__(self, task: Task, cfg):
+        self.task, self.cfg = task, cfg
+
+    def workload(self, model: torch.nn.Module) -> Workload:
+        """What the memory plan counts of this task beside the model's states: its sequences (length, rows per
+        example), its logits, the models it holds beside the trained one, what it generates."""
+        return Workload(seq_length=self.task.sequence_length(self.cfg, model))
+
     def targets(self, batch: Dict[str, torch.Tensor]):
         """What the batch's loss is normalised by (an int, or a device tensor for a count only the data knows)."""
         raise NotImplementedError
@@ -108,43 +127,17 @@ class Task:
     def loss_sum(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def step(self, cfg) -> "Step":
-        """The optimizer step the loop runs over each step's micro-batches."""
-        return SupervisedStep()
-
-    def updates_per_step(self, cfg) -> int:
-        """How many times ``step`` updates the weights: the learning-rate schedule advances that often a step."""
-        return 1
-
-    def micro_batches_per_update(self, cfg) -> int:
-        """The micro-batches each weight update accumulates (accelerate's and DeepSpeed's accumulation count): all
-        of the step's, unless its step updates on shares of them."""
-        return cfg.train.gradient_accumulation_steps
-
     def eval_outputs(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per-example tensors, gathered over the processes for ``metrics``."""
         raise NotImplementedError
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
+        """The evaluation's figures (``loss`` among them) from every example's ``eval_outputs``."""
         raise NotImplementedError
 
-    def metric_names(self) -> Tuple[str, ...]:
-        raise NotImplementedError
-
-    def greater_is_better(self, name: str) -> bool:
-        return name not in self.lower_is_better
-
-    def notes(self, cfg, train_ds: Optional[datasets.Dataset], eval_ds: datasets.Dataset) -> List[str]:
-        """Lines for the plan about the prepared data (rows dropped or truncated); ``train_ds`` is None for a stream."""
-        return []
-
-    def sample(self, model: torch.nn.Module, tokenizer, cfg, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
+    def sample(self, model: torch.nn.Module, tokenizer, eval_ds: datasets.Dataset) -> Optional[Dict[str, str]]:
         """Something to read at the end of a run (a generation), logged and written into summary.json."""
         return None
-
-    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
-        """Sections of report.html from a finished run (its summary.json, ``summary``; the files in
-        ``output_dir``), their plots drawn into ``plots_dir``."""
-        return []
 
 
 _REGISTRY: Dict[str, Task] = {}

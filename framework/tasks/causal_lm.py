@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM
 from framework import data
 from framework.errors import UserError
 from framework.tasks.base import register
-from framework.tasks.language import IGNORE, LanguageModel, check_causal, pretrained_causal_config, pretrained_causal_lm
+from framework.tasks.language import (IGNORE, LanguageModel, LanguageRun, check_causal, pretrained_causal_config,
+                                      pretrained_causal_lm)
 
 DEFAULT_BLOCK = 1024  # the block size cap when the recipe sets none: the model's positions, at most this
 
@@ -97,21 +98,29 @@ class CausalLM(LanguageModel):
             return PackedCollator(rows)
         return PaddedCollator(tokenizer, buckets, rows)
 
+    def default_prompt(self, tokenizer, eval_ds) -> str:
+        """What the sample continues without ``eval.prompt``: the first 8 tokens of the first eval row."""
+        return tokenizer.decode(eval_ds[0]["input_ids"][:8])
+
+    def bind(self, cfg, model, accelerator) -> "CausalRun":
+        return CausalRun(self, cfg, accelerator)
+
+
+class CausalRun(LanguageRun):
+    """Next-token prediction: the targets are the next tokens; the end-of-run sample is a greedy continuation."""
+
     def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
 
     def inputs(self, model, batch):
         return _inputs_and_targets(model, batch)
 
-    def default_prompt(self, tokenizer, eval_ds) -> str:
-        """What the sample continues without ``eval.prompt``: the first 8 tokens of the first eval row."""
-        return tokenizer.decode(eval_ds[0]["input_ids"][:8])
-
-    def sample(self, model, tokenizer, cfg, eval_ds) -> Optional[Dict[str, str]]:
+    def sample(self, model, tokenizer, eval_ds) -> Optional[Dict[str, str]]:
         """A short greedy generation from ``eval.prompt`` (default: ``default_prompt``)."""
+        cfg = self.cfg
         prompt = cfg.eval.prompt
         if prompt is None:
-            prompt = self.default_prompt(tokenizer, eval_ds)
+            prompt = self.task.default_prompt(tokenizer, eval_ds)
         device = next(model.parameters()).device
         inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
         if inputs["input_ids"].shape[1] == 0:

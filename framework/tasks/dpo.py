@@ -22,8 +22,8 @@ The loss is a sum over pairs; the loop divides it by the pairs of the whole opti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional, Tuple
 
@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import backend, chat, data, losses
+from framework import chat, data
 from framework.errors import UserError
 from framework.tasks.base import register
-from framework.tasks.causal_lm import CausalLM
-from framework.tasks.completions import ADAPTER_OFF, evaluating, load_completion_model, reference_model
+from framework.tasks.causal_lm import CausalLM, CausalRun
+from framework.tasks.completions import Reference, load_completion_model, target_logprobs
 from framework.tasks.language import IGNORE
 
 KEYS = ("dpo.prompt_column", "dpo.chosen_column", "dpo.rejected_column")
@@ -73,23 +73,9 @@ class DpoConfig:
 def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor], chunk: Optional[int] = None,
                      select: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row: the summed log-probability of its completion tokens (``labels`` other than IGNORE; fp32) and
-    how many there are. ``chunk``: the head and log-softmax ``chunk`` tokens at a time (framework/losses.py,
-    where exact for the architecture), never the whole batch's logits; None: full logits. ``select``: the head
-    on the completion tokens only (dynamic shapes)."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    how many there are (``target_logprobs``' ``chunk`` and ``select``)."""
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # shift the targets, not the logits (no copy)
-    counts = (targets != IGNORE).sum(dim=1)
-    head = losses.output_head(model) if chunk else None
-    if head is not None:
-        hidden, called = losses.hidden_states(model, head, **inputs)
-        if called:
-            return losses.sequence_logprobs(hidden, head, targets, chunk, select), counts
-        logits = hidden  # the model did not call its head module: these are its logits
-    else:
-        logits = model(**inputs).logits
-    token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                   reduction="none").view(targets.shape)
-    return -token_losses.sum(dim=1), counts
+    return target_logprobs(model, batch, targets, chunk, select).sum(dim=1), (targets != IGNORE).sum(dim=1)
 
 
 def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
@@ -120,22 +106,24 @@ def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
 @register("dpo")
 class DPO(CausalLM):
     metric = "reward_accuracy"
-    sequences_per_example = 2
     options = ("dpo", DpoConfig)
     moved_from_data = ("prompt_column", "chosen_column", "rejected_column")
     reads = ("model.config_overrides", "data.max_length", "data.chat_template", "eval.prompt", "eval.max_new_tokens",
              "eval.harness", "dpo")
 
-    def __init__(self, dpo=None, reference=None, autocast=nullcontext, unwrap=lambda model: model):
-        self.dpo = dpo  # the run's dpo section (for_run)
-        self.reference = reference  # None (simpo, or precomputed), a frozen module, or ADAPTER_OFF
-        self.autocast, self.unwrap = autocast, unwrap
-
     # ------------------------------------------------------------ recipe keys, model
 
-    def check(self, cfg) -> List[str]:
-        problems = super().check(cfg)
+    def check(self, cfg, strategy) -> List[str]:
+        problems = super().check(cfg, strategy)
         d = cfg.dpo
+        if strategy.shards_parameters and d.loss != "simpo":
+            problems.append(f"dpo.loss: {d.loss}'s reference model is not built under FSDP or DeepSpeed yet (its "
+                            "weights load on the first process only); use distributed.strategy=ddp, or "
+                            "dpo.loss=simpo (no reference)")
+        if strategy.tensor_parallel > 1 and d.loss != "simpo":
+            problems.append(f"dpo.loss: {d.loss}'s reference model is not built under tensor parallelism yet (the "
+                            "losses there did not follow one process's); remove distributed.tensor_parallel, or use "
+                            "dpo.loss=simpo (no reference)")
         if d.precompute_reference and d.loss == "simpo":
             problems.append("dpo.precompute_reference: simpo has no reference model; remove it")
         if d.precompute_reference and cfg.data.streaming:
@@ -183,26 +171,11 @@ class DPO(CausalLM):
     def sequence_length(self, cfg, model) -> int:
         return cfg.data.max_length
 
-    def for_run(self, model, accelerator, cfg) -> "DPO":
-        """A copy of this task holding the run's ``dpo`` keys and, where a reference model runs at every step,
-        that model. Made from the model as loaded, so that it is the starting weights, on a resume too."""
-        if backend.shards_parameters(accelerator) and cfg.dpo.loss != "simpo":
-            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under FSDP or DeepSpeed "
-                            "yet (its weights load on the first process only); use distributed.strategy=ddp, or "
-                            "dpo.loss=simpo (no reference)")
-        if backend.is_tensor_parallel(accelerator) and cfg.dpo.loss != "simpo":
-            raise UserError(f"dpo.loss: {cfg.dpo.loss}'s reference model is not built under tensor parallelism yet "
-                            "(the losses there did not follow one process's); remove "
-                            "distributed.tensor_parallel, or use dpo.loss=simpo (no reference)")
+    def bind(self, cfg, model, accelerator) -> "DpoRun":
+        """The run's ``dpo`` keys and, where a reference model runs at every step, that model: made from the model as
+        loaded, so that it is the starting weights, on a resume too."""
         needed = cfg.dpo.loss != "simpo" and not cfg.dpo.precompute_reference
-        reference = reference_model(model, accelerator) if needed else None
-        task = super().for_run(model, accelerator, cfg)  # the run's loss settings, decided where every LM's are
-        task.dpo, task.reference = cfg.dpo, reference
-        task.autocast, task.unwrap = accelerator.autocast, accelerator.unwrap_model
-        return task
-
-    def frozen_models(self) -> List[torch.nn.Module]:
-        return [self.reference] if isinstance(self.reference, torch.nn.Module) else []
+        return DpoRun(self, cfg, accelerator, Reference.of(model, accelerator) if needed else None)
 
     # ------------------------------------------------------------ data
 
@@ -260,26 +233,38 @@ class DPO(CausalLM):
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return PairCollator(tokenizer.pad_token_id, buckets, rows)
 
-    # ------------------------------------------------------------ loss and metrics
+    def default_prompt(self, tokenizer, eval_ds) -> str:
+        """The first eval pair's prompt: the sample is the model's own answer to it."""
+        row = eval_ds[0]
+        return tokenizer.decode(row["chosen_ids"][:row["prompt_length"]])
+
+
+class DpoRun(CausalRun):
+    """The preference loss of one run, with its reference (None: simpo, or precomputed log-probabilities); a pair's
+    two sequences go through the model in one forward pass."""
+
+    def __init__(self, task, cfg, accelerator=None, reference: Optional[Reference] = None):
+        super().__init__(task, cfg, accelerator)
+        self.reference = reference
+
+    def workload(self, model):
+        return dataclasses.replace(super().workload(model), sequences=2,
+                                   frozen=self.reference.models() if self.reference else [])
 
     def targets(self, batch: Dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2  # pairs
 
     def _outputs(self, model, batch) -> Dict[str, torch.Tensor]:
         logps, counts = completion_logps(model, batch, self.loss_chunk, self.select_targets)
-        return pair_losses(self.dpo, logps, counts, self._reference_logps(model, batch))
+        return pair_losses(self.cfg.dpo, logps, counts, self._reference_logps(model, batch))
 
     def _reference_logps(self, model, batch) -> Optional[torch.Tensor]:
         if "reference_logps" in batch:
             return batch["reference_logps"]
         if self.reference is None:
             return None
-        with torch.no_grad(), self.autocast():
-            if self.reference is ADAPTER_OFF:
-                inner = self.unwrap(model)
-                with inner.disable_adapter(), evaluating(inner):
-                    return completion_logps(inner, batch, self.loss_chunk, self.select_targets)[0]
-            return completion_logps(self.reference, batch, self.loss_chunk, self.select_targets)[0]
+        return self.reference.logprobs(
+            model, lambda reference: completion_logps(reference, batch, self.loss_chunk, self.select_targets)[0])
 
     def loss_sum(self, model, batch) -> torch.Tensor:
         return self._outputs(model, batch)["loss"].sum()
@@ -298,11 +283,6 @@ class DPO(CausalLM):
                 "logps_chosen": float(gathered["logps_chosen"].mean(dtype=np.float64)),
                 "logps_rejected": float(gathered["logps_rejected"].mean(dtype=np.float64)),
                 "pairs": int(len(chosen))}
-
-    def default_prompt(self, tokenizer, eval_ds) -> str:
-        """The first eval pair's prompt: the sample is the model's own answer to it."""
-        row = eval_ds[0]
-        return tokenizer.decode(row["chosen_ids"][:row["prompt_length"]])
 
 
 class PairCollator:

@@ -7,7 +7,6 @@ sft, dpo) and ``evaluate.py`` share the loading of a pretrained causal LM and th
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -20,7 +19,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from framework import backend, hub, losses
 from framework.errors import UserError
 from framework.losses import IGNORE  # the target value cross-entropy skips: padding, nothing to predict
-from framework.tasks.base import MODEL_ERRORS, Task
+from framework.memory import Workload
+from framework.tasks.base import MODEL_ERRORS, Task, TaskRun
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,37 +51,13 @@ def metrics(gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
 
 
 class LanguageModel(Task):
-    """A task whose targets are tokens. Subclasses give ``inputs(model, batch) -> (model keyword arguments,
-    targets)``, the targets aligned with the model's outputs, ``IGNORE`` where there is nothing to predict,
-    and ``targets`` (the count, before the forward). ``loss_chunk``: tokens per chunk of the loss (set by
-    ``for_run`` from the recipe), None for full logits; ``select_targets``: chunk only the target tokens
-    (dynamic shapes)."""
+    """A task whose targets are tokens: its model keys (pretrained, or a config and a tokenizer), one text column, the
+    tokenizer. Its run is a ``LanguageRun``."""
 
     metric = "perplexity"
-    token_logits = True
     architectures = ""  # examples for messages, e.g. "gpt2, llama, ..."
-    loss_chunk: Optional[int] = None
-    select_targets = False
 
-    def for_run(self, model, accelerator, cfg) -> "LanguageModel":
-        task = self.with_loss(cfg, static_shapes=backend.needs_static_shapes(accelerator))
-        # The head is sharded (tensor parallelism) or partitioned outside its forward (ZeRO-3): its own forward
-        # gathers the logits.
-        if backend.is_tensor_parallel(accelerator) or backend.is_zero3(accelerator):
-            task.loss_chunk = None
-        return task
-
-    def with_loss(self, cfg, static_shapes: bool) -> "LanguageModel":
-        """A copy computing the loss as the recipe says (``static_shapes``: fixed shapes, XLA)."""
-        task = copy.copy(self)
-        task.loss_chunk = cfg.train.loss_chunk_tokens if cfg.train.chunked_loss else None
-        task.select_targets = not static_shapes
-        return task
-
-    def logits_chunk(self, model) -> Optional[int]:
-        return self.loss_chunk if self.loss_chunk and losses.output_head(model) is not None else None
-
-    def check(self, cfg) -> List[str]:
+    def check(self, cfg, strategy) -> List[str]:
         m, problems = cfg.model, []
         if not m.name_or_path and m.config is None:
             problems.append("model.name_or_path (a pretrained model) or model.config (a model to train from "
@@ -127,6 +103,32 @@ class LanguageModel(Task):
             return auto.from_config(config)
         except MODEL_ERRORS as e:
             raise UserError(f"model.config: cannot build the model: {str(e).splitlines()[0]}") from None
+
+
+class LanguageRun(TaskRun):
+    """A language model's loss and evaluation per target token. Subclasses give ``inputs(model, batch) -> (model
+    keyword arguments, targets)``, the targets aligned with the model's outputs, ``IGNORE`` where there is nothing to
+    predict, and ``targets`` (the count, before the forward).
+
+    ``loss_chunk``: tokens per chunk of the loss (``train.loss_chunk_tokens`` with ``train.chunked_loss``), None for
+    full logits, which a head sharded by tensor parallelism or partitioned by ZeRO-3 outside its forward needs (its
+    own forward gathers the logits); ``select_targets``: chunk only the target tokens (dynamic shapes: not on XLA).
+    Without an ``accelerator`` (a loss computed outside a run): one process, dynamic shapes."""
+
+    def __init__(self, task: Task, cfg, accelerator=None):
+        super().__init__(task, cfg)
+        whole_head = accelerator is not None and (backend.is_tensor_parallel(accelerator)
+                                                  or backend.is_zero3(accelerator))
+        self.loss_chunk = cfg.train.loss_chunk_tokens if cfg.train.chunked_loss and not whole_head else None
+        self.select_targets = accelerator is None or not backend.needs_static_shapes(accelerator)
+
+    def logits_chunk(self, model) -> Optional[int]:
+        """Tokens whose logits the loss holds at once, None for all of them."""
+        return self.loss_chunk if self.loss_chunk and losses.output_head(model) is not None else None
+
+    def workload(self, model) -> Workload:
+        return Workload(seq_length=self.task.sequence_length(self.cfg, model), token_logits=True,
+                        logits_chunk=self.logits_chunk(model))
 
     def inputs(self, model, batch) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         raise NotImplementedError

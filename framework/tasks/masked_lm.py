@@ -19,10 +19,10 @@ import torch
 from transformers import AutoConfig, AutoModelForMaskedLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from framework import backend, data, hub
+from framework import data, hub
 from framework.errors import UserError
 from framework.tasks.base import MODEL_ERRORS, register
-from framework.tasks.language import IGNORE, LanguageModel
+from framework.tasks.language import IGNORE, LanguageModel, LanguageRun
 
 INDEX = "index"  # the example's row number, which seeds its masks
 
@@ -33,14 +33,15 @@ class MaskedLM(LanguageModel):
     architectures = "bert, roberta, ..."
     reads = ("data.block_size", "data.mlm_probability")  # one text per row, truncated to block_size: no packing
 
-    def for_run(self, model, accelerator, cfg) -> "MaskedLM":
-        if backend.is_fsdp2(accelerator):
+    def check(self, cfg, strategy) -> List[str]:
+        problems = super().check(cfg, strategy)
+        if strategy.fsdp2:
             # accelerate (1.15) shards the tied decoder (its weight and bias, shared with the embedding and the
             # prediction head's bias) in groups of its own: fully_shard ended the run with "Parameter ... is shared
             # with a parameter already managed by another FSDP group" (tests/test_task_contract.py's matrix).
-            raise UserError("task: masked_lm does not run under FSDP2 yet (its tied decoder is sharded in two FSDP "
+            problems.append("task: masked_lm does not run under FSDP2 yet (its tied decoder is sharded in two FSDP "
                             "groups); use distributed.strategy=ddp or deepspeed")
-        return super().for_run(model, accelerator, cfg)
+        return problems
 
     def load(self, cfg, train, evaluation):
         m = cfg.model
@@ -79,6 +80,13 @@ class MaskedLM(LanguageModel):
 
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return MaskingCollator(tokenizer, buckets, rows, cfg.data.mlm_probability, cfg.seed)
+
+    def bind(self, cfg, model, accelerator) -> "MaskedRun":
+        return MaskedRun(self, cfg, accelerator)
+
+
+class MaskedRun(LanguageRun):
+    """The masked tokens are the targets, predicted where they stand."""
 
     def targets(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return (batch["labels"] != IGNORE).sum()

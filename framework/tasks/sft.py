@@ -33,7 +33,7 @@ from framework import chat, data
 from framework.errors import UserError
 from framework.tasks import language
 from framework.tasks.base import register
-from framework.tasks.causal_lm import CausalLM, packing
+from framework.tasks.causal_lm import CausalLM, CausalRun, packing
 from framework.tasks.language import IGNORE, pretrained_causal_config, pretrained_causal_lm
 
 # A row's fate in preparation, counted for the plan ("counts" of every feature row: see ``prepare``).
@@ -72,8 +72,8 @@ class Sft(CausalLM):
     reads = ("model.config_overrides", "data.block_size", "data.packing", "data.chat_template", "eval.prompt",
              "eval.max_new_tokens", "eval.harness", "sft")
 
-    def check(self, cfg) -> List[str]:
-        problems = super().check(cfg)
+    def check(self, cfg, strategy) -> List[str]:
+        problems = super().check(cfg, strategy)
         name = cfg.data.chat_template
         if name is not None and name not in chat.BUILTIN and not Path(name).is_file():
             problems.append(f"data.chat_template: '{name}' is neither a built-in template "
@@ -160,6 +160,13 @@ class Sft(CausalLM):
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return SftCollator(tokenizer.pad_token_id, buckets, rows)
 
+    def bind(self, cfg, model, accelerator) -> "SftRun":
+        return SftRun(self, cfg, accelerator)
+
+
+class SftRun(CausalRun):
+    """causal_lm's loss on the trained tokens; evaluation adds ``answer_accuracy``; the sample answers a prompt."""
+
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
         token_losses, correct, targets = self.token_results(model, batch)
         return {**language.row_outputs(token_losses, correct, targets), **answer_outputs(correct, targets)}
@@ -169,10 +176,10 @@ class Sft(CausalLM):
         return {**language.metrics(gathered), "answer_accuracy": float(gathered["answers_correct"].sum() / max(answers, 1)),
                 "answers": answers}
 
-    def sample(self, model, tokenizer, cfg, eval_ds) -> Optional[Dict[str, str]]:
+    def sample(self, model, tokenizer, eval_ds) -> Optional[Dict[str, str]]:
         """A greedy answer to ``eval.prompt`` (a user message) or, by default, to the first held-out
         conversation's prompt (its tokens before its first answer), with the answer it holds."""
-        expected = None
+        cfg, expected = self.cfg, None
         if cfg.eval.prompt is not None:
             if not tokenizer.chat_template:
                 return None

@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from framework import data, hub, plots
 from framework.errors import UserError
-from framework.tasks.base import MODEL_ERRORS, ReportSection, Task, register
+from framework.tasks.base import MODEL_ERRORS, ReportSection, Task, TaskRun, register
 
 LABELS = "labels"  # the column transformers models read the targets from
 
@@ -31,7 +31,7 @@ class TextClassification(Task):
     metric = "accuracy"
     reads = ("data.text_pair_column", "data.label_column", "data.labels", "data.max_length")
 
-    def check(self, cfg) -> List[str]:
+    def check(self, cfg, strategy) -> List[str]:
         problems = []
         if not cfg.model.name_or_path:
             problems.append("model.name_or_path is required: text_classification fine-tunes a pretrained model")
@@ -106,6 +106,25 @@ class TextClassification(Task):
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return data.collator(tokenizer, buckets, rows)
 
+    def bind(self, cfg, model, accelerator) -> "ClassificationRun":
+        return ClassificationRun(self, cfg)
+
+    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
+        """Precision, recall and F1 per class, and the confusion matrix, the classes by name."""
+        evaluation = summary.get("eval") or {}
+        per_class, matrix = evaluation.get("per_class"), evaluation.get("confusion_matrix")
+        if not per_class:
+            return []
+        names = class_names(output_dir, len(per_class))
+        rows = [(names[int(c)], v["precision"], v["recall"], v["f1"], v["support"]) for c, v in per_class.items()]
+        drawn = [plots.confusion(matrix, class_names(output_dir, len(matrix)), plots_dir / "confusion.png")] if matrix \
+            else []
+        return [ReportSection("Classes (eval)", ["class", "precision", "recall", "f1", "support"], rows, drawn)]
+
+
+class ClassificationRun(TaskRun):
+    """The loss (cross-entropy, summed over examples) and the evaluation of one run."""
+
     def targets(self, batch: Dict[str, torch.Tensor]) -> int:
         return batch[LABELS].shape[0]
 
@@ -146,18 +165,6 @@ class TextClassification(Task):
                                    "support": int(support[c])} for c in range(classes)},
             "confusion_matrix": confusion.tolist(),
         }
-
-    def report_sections(self, output_dir: Path, summary: Dict, plots_dir: Path) -> List[ReportSection]:
-        """Precision, recall and F1 per class, and the confusion matrix, the classes by name."""
-        evaluation = summary.get("eval") or {}
-        per_class, matrix = evaluation.get("per_class"), evaluation.get("confusion_matrix")
-        if not per_class:
-            return []
-        names = class_names(output_dir, len(per_class))
-        rows = [(names[int(c)], v["precision"], v["recall"], v["f1"], v["support"]) for c, v in per_class.items()]
-        drawn = [plots.confusion(matrix, class_names(output_dir, len(matrix)), plots_dir / "confusion.png")] if matrix \
-            else []
-        return [ReportSection("Classes (eval)", ["class", "precision", "recall", "f1", "support"], rows, drawn)]
 
 
 def class_names(output_dir: Path, count: int) -> List[str]:

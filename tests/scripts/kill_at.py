@@ -1,5 +1,5 @@
 """Runs the real CLI and SIGKILLs its own process at micro-batch KILL_AT_MICRO (counted from the start of
-this process, as calls of framework.step.backward_and_step: every task's step, supervised or not, goes through
+this process, as calls of framework.step.Update.micro_batch: every task's step, supervised or not, goes through
 it), to test resuming after a crash at an exact, chosen point (inside an accumulation window too).
 
 KILL_SIGNAL (default SIGKILL) sends another signal instead: SIGSTOP freezes the process (a hung machine).
@@ -20,13 +20,13 @@ from run import main  # noqa: E402  (recipes/run.py: the default recipe too)
 kill_at = int(os.environ["KILL_AT_MICRO"])
 sig = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
 once = os.environ.get("KILL_ONCE")
-backward_and_step = framework.step.backward_and_step
+micro_batch = framework.step.Update.micro_batch
 seen = 0
 
 
 def micro_batch_then_maybe_die(*args):
     global seen
-    loss_sum = backward_and_step(*args)
+    loss_sum = micro_batch(*args)
     seen += 1
     if seen == kill_at:
         if once:
@@ -39,7 +39,7 @@ def micro_batch_then_maybe_die(*args):
     return loss_sum
 
 
-framework.step.backward_and_step = micro_batch_then_maybe_die
+framework.step.Update.micro_batch = micro_batch_then_maybe_die
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
