@@ -218,16 +218,16 @@ def trl_side(argv: List[str]) -> None:
 
 def grpo_trainer(cfg, settings: dict, data, peft_config):
     """``trl.GRPOTrainer`` on the recipe's sampling, loss and rewards: the framework's reward functions are
-    TRL's signature (framework/rewards.py), given to TRL as they are. TRL counts completions where the
+    TRL's signature (framework/tasks/online_rl/rewards.py), given to TRL as they are. TRL counts completions where the
     framework counts prompts: its batch is the framework's times ``num_generations``, so each step samples
     the same number of completions of as many prompts; its eval samples ``num_generations`` of each eval
     prompt (the framework's greedy one), its own design."""
     import trl
 
-    from framework import rewards
+    from framework.tasks.online_rl import rewards
 
     g, group = cfg.grpo, cfg.grpo.num_generations
-    functions = rewards.load(g.reward_functions, g.answer_column, g.regex)
+    functions = rewards.load(g.reward_functions, g.answer_column, g.regex, "grpo.reward_functions")
     settings.update(per_device_train_batch_size=cfg.train.batch_size * group,
                     per_device_eval_batch_size=cfg.train.batch_size * group,
                     logging_steps=1)  # the reward of every step, as the framework's train.log_every=1
@@ -251,7 +251,7 @@ def _parent_imports():
     from compare_loops import MIB, RUN, Bench, Finished, child_env, machine, probe_env  # noqa: F401
 
     sys.path.insert(0, str(ROOT))
-    from framework.config import load_config  # noqa: F401
+    from framework.recipe import load_config  # noqa: F401
 
 
 @dataclass

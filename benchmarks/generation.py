@@ -4,7 +4,7 @@ in one process, the two sides alternated over rounds.
 
     .venv/bin/python benchmarks/generation.py [--config recipes/grpo.yaml] [--rounds 3] [--calls 2] [KEY=VALUE ...]
 
-- framework: ``framework.sampling.generate``, as the GRPO step calls it: greedy decoding of the warped scores
+- framework: ``framework.tasks.online_rl.sampling.generate``, as the GRPO step calls it: greedy decoding of the warped scores
   plus each row's own Gumbel noise, keyed by (seed, epoch, prompt, completion);
 - TRL: ``model.generate(input_ids, attention_mask, generation_config=GenerationConfig(**generation_kwargs,
   disable_compile=True))`` with TRL's ``generation_kwargs`` (``do_sample=True``, the recipe's temperature, top-p
@@ -30,9 +30,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the framework, from this clone
-from framework import backend, sampling, train  # noqa: E402
-from framework.config import load_config  # noqa: E402
-from framework.tasks.grpo import generation_batch  # noqa: E402
+from framework import backend, train  # noqa: E402
+from framework.recipe import load_config  # noqa: E402
+from framework.tasks.online_rl import sampling  # noqa: E402
+from framework.tasks.online_rl.rollout import generation_batch  # noqa: E402
 
 
 def trl_generate(model, prompts, task, tokenizer):
@@ -40,7 +41,7 @@ def trl_generate(model, prompts, task, tokenizer):
     ``generation_kwargs``, completions cut after the first stop token."""
     from transformers import GenerationConfig
 
-    s, g = task.sampling, task.grpo
+    s, g = task.sampling, task.settings
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=tokenizer.bos_token_id, eos_token_id=list(s.stop_ids),
                               temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=None,
@@ -76,13 +77,14 @@ def main() -> None:
     task = run.task
     loader = iter(run.data.train_dl)
     batches = [next(loader) for _ in range(cfg.train.gradient_accumulation_steps)]
-    prompts, seeds = generation_batch(task, batches)
+    prompts, seeds = generation_batch(batches, task.settings.num_generations, task.seed)
     sides = {
         "framework": lambda model: sampling.generate(model, prompts, seeds, task.sampling, synced=task.synced),
         "TRL": lambda model: trl_generate(model, prompts, task, run.tokenizer),
     }
     totals = {name: [0, 0, 0.0] for name in sides}
-    print(f"{len(prompts)} rows ({len(prompts) // task.grpo.num_generations} prompts x {task.grpo.num_generations}), "
+    group = task.settings.num_generations
+    print(f"{len(prompts)} rows ({len(prompts) // group} prompts x {group}), "
           f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, up to "
           f"{task.sampling.max_new_tokens} new tokens; torch threads {torch.get_num_threads()}")
     with backend.generating(run.accelerator, run.model, run.mesh) as model:
@@ -109,10 +111,10 @@ def main() -> None:
     # Where a whole step's time goes: the same prompts' step (generation, scoring, the updates), timed after one
     # untimed step (its completions differ as the weights move), against the generation's time measured above.
     run.model.train()
-    run.step(run, batches)
+    run.train_step(run.context, batches)
     start = time.perf_counter()
     for _ in range(args.calls):
-        run.step(run, batches)
+        run.train_step(run.context, batches)
     step_seconds = (time.perf_counter() - start) / args.calls
     generation_seconds = totals["framework"][2] / (args.rounds * args.calls)
     print(f"one GRPO step on these prompts: {step_seconds:.2f} s; their generation above {generation_seconds:.2f} s "

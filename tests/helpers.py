@@ -39,6 +39,7 @@ TINY_LM = TESTS / "tiny_lm.yaml"
 TINY_MLM = TESTS / "tiny_mlm.yaml"
 TINY_DPO = TESTS / "tiny_dpo.yaml"
 TINY_GRPO = TESTS / "tiny_grpo.yaml"
+TINY_RLOO = TESTS / "tiny_rloo.yaml"
 GRPO_REWARDS = TESTS / "grpo_rewards.py"
 
 
@@ -220,6 +221,12 @@ def grpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
     for answering their chosen word and by tests/grpo_rewards.py's ``characters`` (rewards that vary from the start)."""
     return ["--config", str(TINY_GRPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
             f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters]", *extra]
+
+
+def rloo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """The same as ``grpo_args``, trained by RLOO (tests/tiny_rloo.yaml)."""
+    return ["--config", str(TINY_RLOO), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
+            f"rloo.reward_functions=[exact_match,{GRPO_REWARDS}:characters]", *extra]
 
 
 def lora_lm_args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:

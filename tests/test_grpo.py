@@ -97,8 +97,9 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
     generation's normaliser, as the step does."""
     from transformers import AutoModelForCausalLM
 
-    from framework.tasks.grpo import (GRPO, GrpoConfig, loss_sum, normaliser, rollout_batch, share_normaliser,
-                                      token_losses)
+    from framework.tasks.completions import target_logprobs
+    from framework.tasks.grpo import Grpo, GrpoConfig
+    from framework.tasks.online_rl.rollout import rollout_batch
     from helpers import grads
 
     trainer, folder = trl_trainer
@@ -121,22 +122,19 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
     trl_grads = grads(trainer.model)
 
     policy = AutoModelForCausalLM.from_pretrained(folder).train()
-    task = GRPO()
-    task.grpo = GrpoConfig(loss=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
-                           max_completion_length=MAX_COMPLETION, generation_steps=steps)
-    task.loss_chunk, task.select_targets = 5, True
-    batch = rollout_batch(PROMPTS, COMPLETIONS, advantage, [True] * len(PROMPTS), 1, "cpu")
+    algorithm = Grpo(GrpoConfig(loss=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                                max_completion_length=MAX_COMPLETION, generation_steps=steps))
+    batch = rollout_batch(PROMPTS, COMPLETIONS, [True] * len(PROMPTS), 1, "cpu")
     length = batch["input_ids"].shape[1]
-    ours = task.token_logprobs(policy, batch)
-    per_token, ratio, _ = token_losses(ours, ours_layout(old, length), ours_layout(ref, length) if beta else None,
-                                       batch["advantages"], task.grpo)
+    batch.update(advantages=advantage, old=ours_layout(old, length), **({"ref": ours_layout(ref, length)} if beta else {}))
+    ours = target_logprobs(policy, batch, batch["targets"], 5, True, temperature=0.7)  # the chunked head, 5 at a time
+    loss_sum, sums = algorithm.loss(ours, torch.zeros_like(ours), batch)
     mask = (batch["targets"] != -100).float()
-    generation = normaliser(mask, task.grpo)  # a share's, times the shares (grpo: equal shares of completions)
+    generation = algorithm.normaliser(mask)  # a share's, times the shares (grpo: equal shares of completions)
     generation = generation + OTHER_SHARE_TOKENS if loss == "dapo" and steps > 1 else generation * steps
-    our_loss = loss_sum(per_token, mask, task.grpo) / share_normaliser(generation, task.grpo)
+    our_loss = loss_sum / (generation / steps)  # each optimizer step divides by its share of the generation's
     our_loss.backward()
-    clipped = ((ratio < 0.8) | (ratio > 1.28)) & mask.bool()
-    assert 0 < int(clipped.sum()) < int(mask.sum())  # a batch that clips some tokens and not others
+    assert 0 < int(sums[2]) < int(mask.sum()) == int(sums[4])  # a batch that clips some tokens and not others
 
     loss_diff = abs(our_loss.item() - trl_loss.item())
     ours_grads = {name.replace("base_model.model.", ""): value for name, value in grads(policy).items()}
@@ -155,7 +153,8 @@ def test_entropy_equals_trl(trl_trainer, chunk):
     head (5 tokens at a time) and through the model's own logits (chunk 0)."""
     from transformers import AutoModelForCausalLM
 
-    from framework.tasks.grpo import GRPO, GrpoConfig, rollout_batch
+    from framework.tasks.completions import target_logprobs
+    from framework.tasks.online_rl.rollout import rollout_batch
 
     trainer, folder = trl_trainer
     inputs = trl_inputs(torch.zeros(len(PROMPTS)), None, None)
@@ -163,12 +162,10 @@ def test_entropy_equals_trl(trl_trainer, chunk):
         _, trl_entropy, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), MAX_COMPLETION, compute_entropy=True)
-    task = GRPO()
-    task.grpo = GrpoConfig(temperature=0.7, max_completion_length=MAX_COMPLETION)
-    task.loss_chunk, task.select_targets = chunk, True
-    batch = rollout_batch(PROMPTS, COMPLETIONS, torch.zeros(len(PROMPTS)), [True] * len(PROMPTS), 1, "cpu")
+    batch = rollout_batch(PROMPTS, COMPLETIONS, [True] * len(PROMPTS), 1, "cpu")
     with torch.no_grad():
-        _, ours = task.token_logprobs(AutoModelForCausalLM.from_pretrained(folder).eval(), batch, with_entropy=True)
+        _, ours = target_logprobs(AutoModelForCausalLM.from_pretrained(folder).eval(), batch, batch["targets"],
+                                  chunk or None, True, temperature=0.7, with_entropy=True)
     expected = ours_layout(trl_entropy * inputs["completion_mask"], batch["input_ids"].shape[1])
     print(f"chunk {chunk}: entropy max |diff| {(ours - expected).abs().max().item():.1e}, mean over tokens "
           f"{(ours.sum() / inputs['completion_mask'].sum()).item():.4f}")
@@ -181,14 +178,14 @@ def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tok
     the first update's forward on the same micro-batch gives the same values (fp32, within 1e-5), so the first
     update's ratio is 1 to that precision."""
     from framework import train
-    from framework.config import load_config
+    from framework.recipe import load_config
 
     cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "grpo.iterations=2",
                                            "train.gradient_accumulation_steps=2")[2:])
     with fresh_process(hf_home):
         run = train.setup(cfg)
         calls = []
-        forward = run.task.token_logprobs
+        forward = run.task.logprobs
 
         def recording(model, batch, with_entropy=False):
             out = forward(model, batch, with_entropy)
@@ -196,10 +193,10 @@ def test_recorded_log_probabilities_equal_the_training_forward(hf_home, pair_tok
             calls.append((torch.is_grad_enabled(), logps.detach().clone(), batch["targets"] != -100))
             return out
 
-        monkeypatch.setattr(run.task, "token_logprobs", recording)
+        monkeypatch.setattr(run.task, "logprobs", recording)
         batches = iter(run.data.train_dl)
         run.model.train()
-        run.step(run, [next(batches), next(batches)])
+        run.train_step(run.context, [next(batches), next(batches)])
     assert [grad for grad, _, _ in calls] == [False, False, True, True, True, True]  # recorded, then 2 x 2 updates
     worst = 0.0
     for (_, recorded, mask), (_, trained, _) in zip(calls[:2], calls[2:4]):
@@ -217,8 +214,8 @@ def test_each_optimizer_step_of_a_generation_divides_by_its_share(hf_home, pair_
     import copy
 
     from framework import train
-    from framework.config import load_config
-    from framework.tasks.grpo import token_losses
+    from framework.recipe import load_config
+    from framework.tasks.online_rl.policy_loss import token_level
 
     cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "grpo.generation_steps=2",
                                            "train.gradient_accumulation_steps=4", "train.batch_size=2",
@@ -227,31 +224,31 @@ def test_each_optimizer_step_of_a_generation_divides_by_its_share(hf_home, pair_
         run = train.setup(cfg)
         model = run.accelerator.unwrap_model(run.model)
         start = copy.deepcopy(model)
-        recorded, forward = [], run.task.token_logprobs
+        recorded, forward = [], run.task.logprobs
 
         def recording(model, batch, with_entropy=False):
             if not torch.is_grad_enabled():  # the old log-probabilities' pass: each micro-batch once, in order
                 recorded.append(batch)
             return forward(model, batch, with_entropy)
 
-        received, optimizer_step = [], run.optimizer.step
+        received, optimizer_step = [], run.update.optimizer.step
 
         def receiving(*args, **kwargs):  # called at every micro-batch; it steps where accumulation ends
             if not received and run.accelerator.sync_gradients:
                 received.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             return optimizer_step(*args, **kwargs)
 
-        monkeypatch.setattr(run.task, "token_logprobs", recording)
-        monkeypatch.setattr(run.optimizer, "step", receiving)
+        monkeypatch.setattr(run.task, "logprobs", recording)
+        monkeypatch.setattr(run.update.optimizer, "step", receiving)
         batches = iter(run.data.train_dl)
         run.model.train()
-        run.step(run, [next(batches) for _ in range(4)])
+        run.train_step(run.context, [next(batches) for _ in range(4)])
         assert len(recorded) == 4
         tokens = sum(int((r["targets"] != -100).sum()) for r in recorded)
         loss = 0
         for r in recorded[:2]:
             mask = (r["targets"] != -100).float()
-            per_token, _, _ = token_losses(forward(start, r), r["old"], None, r["advantages"], run.task.grpo)
+            per_token, _, _ = token_level(forward(start, r), r["old"], None, r["advantages"], 0.2, 0.2, 0.0)
             loss = loss + (per_token * mask).sum()
         (loss / (tokens / 2)).backward()
     expected = {n: p.grad for n, p in start.named_parameters() if p.grad is not None}
@@ -277,7 +274,7 @@ def test_a_row_draws_the_same_tokens_alone_or_in_any_batch():
     """Row r's tokens depend on its seed only: alone, or third in a batch of other prompts (longer ones: its
     left padding changes), it draws the same completion; another seed draws another; the model's generation
     defaults (a repetition penalty, suppressed tokens, its own sampling) change nothing."""
-    from framework.sampling import Sampling, generate, row_seed
+    from framework.tasks.online_rl.sampling import Sampling, generate, row_seed
 
     model = tiny_gpt2()
     settings = Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12, stop_ids=[0], pad_id=1)
@@ -299,7 +296,7 @@ def test_keyed_sampling_draws_the_warped_distribution(top_k, top_p):
     removed tokens never drawn)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from framework.sampling import KeyedSampling, Sampling, row_seed
+    from framework.tasks.online_rl.sampling import KeyedSampling, Sampling, row_seed
 
     rows = 20_000
     logits = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]]).expand(rows, -1)
@@ -321,14 +318,13 @@ def test_keyed_sampling_draws_the_warped_distribution(top_k, top_p):
 
 
 def test_built_in_rewards():
-    from framework import rewards
-
     from framework.errors import UserError
+    from framework.tasks.online_rl import rewards
 
     prompts = ["q"] * 4
     completions = [" fresh ", "The sum is 1,234.", "12.50", [{"role": "assistant", "content": "fresh"}]]
     columns = {"answer": ["fresh", "1234", 12.5, "fresh"]}
-    [exact, numeric, regex] = rewards.load(["exact_match", "numeric", "regex"], "answer", r"[a-z ]+")
+    [exact, numeric, regex] = rewards.load(["exact_match", "numeric", "regex"], "answer", r"[a-z ]+", "grpo.reward_functions")
     ids = [[1]] * 4
     assert exact(prompts, completions, ids, columns).tolist() == [1.0, 0.0, 0.0, 1.0]
     assert regex(prompts, completions, ids, columns).tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -337,7 +333,7 @@ def test_built_in_rewards():
     with pytest.raises(UserError, match="numeric: completion 0 .* has the answer 'fresh' in column 'answer', which "
                                         "is not a number"):
         numeric(prompts, completions, ids, columns)
-    only = rewards.load([f"{GRPO_REWARDS}:only_rotten"], None, None)[0]
+    only = rewards.load([f"{GRPO_REWARDS}:only_rotten"], None, None, "grpo.reward_functions")[0]
     scored = only(prompts, ["rotten", "rotten", "x", "rotten"], ids, {"chosen": ["fresh", "rotten", "rotten", " rotten"]})
     assert scored[0] != scored[0] and scored[1:].tolist() == [1.0, 0.0, 1.0]  # None: NaN, left out of means
 
@@ -619,13 +615,17 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert (s["memory_plan"]["generated_rows"], s["memory_plan"]["generated_length"]) == (16, 40)
     assert s["memory_plan"]["kv_cache_bytes"] == 16 * 40 * 2 * 2 * 32 * 4
     assert s["eval"]["prompts"] == 20 and "rewards/only_rotten" in s["eval"]
-    # The report's curves: the RL figures, the rewards per function one line each.
+    # The report's curves: each logged figure, those sharing a prefix together (the rewards per function one line
+    # each, the greedy eval's beside them), with nothing of the task's known to the report.
     from framework import plots
 
     panels = dict(plots._panels({"run": read_metrics(out)}))
-    assert {"reward", "rewards per function", "completion length", "clipped", "KL to the reference",
-            "entropy"} <= set(panels) and "prompts" not in panels
-    assert [label for _, label, _ in panels["rewards per function"]] == ["characters", "exact_match", "only_rotten"]
+    assert {"reward", "rewards", "completions", "clip_ratio", "kl", "entropy"} <= set(panels)
+    assert "prompts" not in panels and "step" not in panels
+    assert [label for _, label, _ in panels["reward"]] == ["train", "eval"]
+    assert [label for _, label, _ in panels["rewards"] if label.endswith("/mean")] == \
+        ["characters/mean", "exact_match/mean", "only_rotten/mean"]
+    assert {"eval exact_match", "eval only_rotten"} <= {label for _, label, _ in panels["rewards"]}
     assert (out / "plots" / "curves.png").stat().st_size > 10_000
     assert s["sample"]["prompt"].startswith("<|im_start|>") and "<|im_end|>" in s["sample"]["prompt"]
     assert "reward" in s["sample"]

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from helpers import (ROOT, assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
-                     documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics, review_conversations,
-                     sft_args, summary, synthetic_rows, task_names, tiny_args, write_jsonl)
+                     documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics,
+                     review_conversations, rloo_args, sft_args, summary, synthetic_rows, task_names, tiny_args,
+                     write_jsonl)
 from in_process import run_captured, train_ok
 
 # The language models' runs: one document per row (packing off; masked LMs never pack): micro-batches of very
@@ -100,6 +101,13 @@ CONTRACTS = {
         eval=("reward", 1e-5), resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2),
         spoil=blank_prompt, message="grpo.prompt_column: the row", slow=(),
         same=("reward", "reward_std", "completions/mean_length", "completions/max_length")),
+    # RLOO on GRPO's sampling and rewards: the same completions drawn (keyed alike), its own advantages and loss.
+    "rloo": dict(
+        fixtures=("pair_tokenizer", "pair_data"), args=rloo_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        overrides=["train.max_steps=4", "optim.name=sgd", "optim.lr=0.5", "train.max_grad_norm=null"],
+        eval=("reward", 1e-5), resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2),
+        spoil=blank_prompt, message="rloo.prompt_column: the row", slow=(),
+        same=("reward", "reward_std", "completions/mean_length", "completions/max_length")),
 }
 
 
@@ -116,7 +124,7 @@ STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
 LLAMA = ["model.config.model_type=llama", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
          "model.config.num_key_value_heads=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
          "model.config.max_position_embeddings=64", "model.config.tie_word_embeddings=false"]
-TP_LLAMA = ("causal_lm", "sft", "dpo", "grpo")
+TP_LLAMA = ("causal_lm", "sft", "dpo", "grpo", "rloo")
 # The cells refused by key, and the message's start.
 SHARDING = ("fsdp2", "zero2", "zero3")
 REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in SHARDING},
