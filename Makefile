@@ -9,6 +9,8 @@ XLA_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
 # --quiet: a stopped run ends with the framework's line, not accelerate's CalledProcessError traceback after it.
 LAUNCH ?= $(BIN)/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 RUNS ?= runs
+# A test tier's command, then the seconds it took (make test and CI print each tier's time); its exit status kept.
+TIMED = start=$$(date +%s); $(2); status=$$?; echo "$(1): $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
 	test-xla-all test-slow-small test-slow-llm slurm ray
@@ -62,17 +64,17 @@ test-xla-all: test-xla
 	@$(MAKE) --no-print-directory test-slow-small
 
 test-slow-small: install slurm ray
-	$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests
+	@$(call TIMED,test-slow-small,$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests)
 
 test-slow-llm: install
-	$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests
+	@$(call TIMED,test-slow-llm,$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests)
 
 test-slow-cpu: install slurm ray
-	$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests
+	@$(call TIMED,test-slow-cpu,$(BIN)/python -m pytest -m "slow and not xla" --durations=15 tests)
 
 test-slow-xla: install-xla
 ifeq ($(XLA_PLATFORM),yes)
-	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests
+	@$(call TIMED,test-slow-xla,PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests)
 else
 	@echo "test-slow-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
@@ -117,7 +119,7 @@ bench: install
 	$(BIN)/python benchmarks/chunked_loss.py --rounds 3
 
 test-cpu: install
-	$(BIN)/python -m pytest -m "not xla and not slow" --durations=25 tests
+	@$(call TIMED,test-cpu,$(BIN)/python -m pytest -m "not xla and not slow" --durations=25 tests)
 
 # The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two;
 # then tests/test_fsdp.py unchanged (its slow variants too) on 2 GPUs over NCCL: what the CPU tier proved over gloo.
@@ -141,7 +143,7 @@ endif
 
 test-xla: install-xla
 ifeq ($(XLA_PLATFORM),yes)
-	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "xla and not slow" --durations=15 tests
+	@$(call TIMED,test-xla,PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "xla and not slow" --durations=15 tests)
 else
 	@echo "test-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
