@@ -71,8 +71,12 @@ def apply(model: torch.nn.Module, cfg, device_type: str, task_type: Optional[str
             raise UserError(NO_4BIT_ON_XLA)
         _quantize_4bit(model, keep=_kept_in_full(model, p.modules_to_save))
     try:
+        # GPT-2's layers are Conv1D, whose weight is stored transposed: peft's fan_in_fan_out (else it sets it itself,
+        # with a warning on every run).
+        conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
-                            modules_to_save=list(p.modules_to_save) or None, task_type=task_type)
+                            modules_to_save=list(p.modules_to_save) or None, task_type=task_type,
+                            fan_in_fan_out=conv1d)
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()

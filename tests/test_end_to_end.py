@@ -79,6 +79,28 @@ def test_progress_bar_shows_the_eta_loss_and_speeds(tiny_run):
     assert (out / "report.html").is_file() and (out / "plots" / "curves.png").is_file()  # also under accelerate launch
 
 
+# What a library says that a user of the framework can do nothing about, and used to see on every run: DeepSpeed's
+# "Setting accelerator to CPU" (accelerate imports it to unwrap models), bitsandbytes' "Failed to load CPU
+# gemm_4bit_forward" (peft imports it), transformers' FutureWarnings (peft reads a deprecated property).
+NOISE = re.compile(r"warn|deprecat|failed to load", re.IGNORECASE)
+
+
+def noisy_lines(output: str) -> list:
+    """The lines of a run's output that warn. accelerate's launcher, before the run starts, lists the settings its
+    config file leaves to defaults (accelerate_configs/cpu.yaml: the threads per process, which a config file cannot
+    set): its own block, not the run's."""
+    launcher = re.compile(r"The following values were not passed to `accelerate launch`.*?run `accelerate config`\.",
+                          re.DOTALL)
+    return [line for line in launcher.sub("", output).splitlines() if NOISE.search(line)]
+
+
+def test_a_run_prints_no_warning(tiny_run):
+    """The run's whole output, under accelerate launch, training, evaluating and saving: no warning from any library
+    (framework/noise.py, backend.select_backend)."""
+    _, proc = tiny_run
+    assert noisy_lines(proc.stdout + proc.stderr) == []
+
+
 def test_saved_model_carries_labels_and_loads_in_pipeline(tiny_run):
     from transformers import pipeline
 

@@ -644,6 +644,17 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     assert "<h2>Examples from training</h2>" in page and page.count(html.escape(records[0]["examples"][0]["prompt"])) >= 1
 
 
+def test_an_adapted_grpo_run_prints_no_warning(cli, pretrained_lm, tmp_path):
+    """GRPO with LoRA and its reference, in a process of its own, as users start it: no warning from any library
+    (peft imports bitsandbytes, whose CPU backend said it failed to load a kernel from the Hub; peft read
+    transformers' deprecated is_gradient_checkpointing, and fixed fan_in_fan_out for GPT-2's Conv1D layers itself;
+    accelerate imported DeepSpeed, which said it fell back to the CPU)."""
+    from test_end_to_end import noisy_lines
+
+    proc = cli(lora_args(pretrained_lm, lora_prompts(tmp_path), tmp_path / "out", "train.max_steps=1"))
+    assert "done: eval reward" in proc.stdout and noisy_lines(proc.stdout + proc.stderr) == []
+
+
 @pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
 def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm, tmp_path, capsys, quantize):
     """Under peft no copy is made: the reference is the trained model with its adapter switched off. LoRA starts
