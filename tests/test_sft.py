@@ -67,7 +67,7 @@ def trl_run(model, rows, template, **options):
     from trl import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
-    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)  # the ids chat.use_template gives
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)  # the ids templates.use_template gives
     tokenizer.chat_template = template
     args = SFTConfig(output_dir="unused", report_to=[], use_cpu=True, max_length=None,
                      dataset_num_proc=None, **options)
@@ -128,14 +128,14 @@ def test_assistant_mask_spans_only_answers():
     """chatml: the answer and its '<|im_end|>\\n' are targets; headers, system, user and tool messages never."""
     from transformers import AutoTokenizer
 
-    from framework import chat
+    from framework import templates
 
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
-    chat.use_template(tokenizer, "chatml")
+    templates.use_template(tokenizer, "chatml")
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": "A1"}, {"role": "tool", "content": "T"},
                 {"role": "assistant", "content": "A2"}]
-    ids, mask = chat.conversation_tokens(tokenizer, messages, "row")
+    ids, mask = templates.conversation_tokens(tokenizer, messages, "row")
     trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert trained == "A1<|im_end|>\nA2<|im_end|>\n"
 

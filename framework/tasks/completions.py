@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from framework import adapters, chat, data, losses
+from framework import adapters, data, losses, templates
 from framework.errors import UserError
 from framework.losses import IGNORE
 from framework.tasks.causal_lm import CausalLM
@@ -22,7 +22,7 @@ def completion_tokenizer(task: CausalLM, cfg):
     built-in one gives an EOS-less tokenizer its end of turn as EOS), an EOS token (it ends every completion, as
     in TRL), and padding that reuses EOS where it has no padding token (padding is never a target)."""
     tokenizer, key = task.tokenizer(cfg)
-    chat.use_template(tokenizer, cfg.data.chat_template, needed=False)
+    templates.use_template(tokenizer, cfg.data.chat_template, needed=False)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer has no EOS token, which ends every completion (as TRL does); "
                         "use a tokenizer with one, or data.chat_template=chatml (its end of turn is then EOS)")
@@ -38,7 +38,7 @@ def load_completion_model(task: CausalLM, cfg):
     config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
     tokenizer, _ = completion_tokenizer(task, cfg)  # before a new model sizes its vocabulary
     model = task._from_config(cfg, tokenizer) if config is None else pretrained_causal_lm(cfg.model, config)
-    chat.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
+    templates.resize_embeddings(model, tokenizer)  # a built-in template's special tokens
     data.check_length("data.max_length", cfg.data.max_length, tokenizer, model)
     return model, tokenizer
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import chat, data
+from framework import data, templates
 from framework.errors import UserError
 from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM, CausalRun
@@ -149,7 +149,7 @@ class DPO(CausalLM):
                 raise UserError(f"dpo.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
                                 "or a conversation (a list of {role, content}); fix or remove the row")
             values = {key: row[columns[key]] for key in KEYS[1:]}
-            kinds = {key: chat.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
+            kinds = {key: templates.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
                      else None for key, value in {"dpo.prompt_column": prompt, **values}.items()}
             for key, value in values.items():
                 if kinds[key] is None or not _content(value).strip():
@@ -315,13 +315,13 @@ class PairCollator:
 
 def tokenize_pair(tokenizer, prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:
     """(where the completions start, [prompt + chosen ids, prompt + rejected ids]) as TRL's DPOTrainer tokenizes
-    them (``chat.prompt_completion_tokens``: text with EOS after the completion, conversations through the chat
+    them (``templates.prompt_completion_tokens``: text with EOS after the completion, conversations through the chat
     template); the completions start where the prompt ends in both (the shorter of their common prefixes with
     the tokenized prompt, as TRL takes it)."""
     where = f"the row with prompt {_short(prompt)}"
-    if chat.maybe_conversation(prompt, where) is not None and not tokenizer.chat_template:
-        chat.use_template(tokenizer, None, needed=True)  # the error that names data.chat_template
-    pairs = [chat.prompt_completion_tokens(tokenizer, prompt, c, where) for c in (chosen, rejected)]
+    if templates.maybe_conversation(prompt, where) is not None and not tokenizer.chat_template:
+        templates.use_template(tokenizer, None, needed=True)  # the error that names data.chat_template
+    pairs = [templates.prompt_completion_tokens(tokenizer, prompt, c, where) for c in (chosen, rejected)]
     start = min(len(ids) - sum(mask) for ids, mask in pairs)
     return start, [ids for ids, _ in pairs]
 

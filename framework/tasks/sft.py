@@ -3,11 +3,11 @@
 Recipe keys: the causal LM's model keys (``model.name_or_path``, or ``model.config`` + ``model.tokenizer``);
 ``sft.messages_column`` (conversations: lists of ``{role, content}``, or their JSON text), or with
 ``sft.train_on: completion`` ``sft.prompt_column`` + ``sft.completion_column`` (strings or conversations);
-``data.chat_template`` (framework/chat.py); ``sft.train_on``, ``sft.overflow``; ``data.packing``,
+``data.chat_template`` (framework/templates.py); ``sft.train_on``, ``sft.overflow``; ``data.packing``,
 ``data.block_size``; ``eval.prompt``, ``eval.max_new_tokens``.
 
 Rows become token ids and labels (``IGNORE`` where nothing is trained on: role headers, system, user and tool
-messages, prompts, and each conversation's first token); framework/chat.py finds what to train on from the
+messages, prompts, and each conversation's first token); framework/templates.py finds what to train on from the
 rendered conversation. Packing (the default) puts whole conversations one after another into blocks of at most
 ``data.block_size`` tokens, each conversation a segment that attends only to itself (causal_lm's block-diagonal
 mask); a conversation is never split across blocks. A conversation longer than a block is truncated or dropped
@@ -29,7 +29,7 @@ import datasets
 import numpy as np
 import torch
 
-from framework import chat, data
+from framework import data, templates
 from framework.errors import UserError
 from framework.tasks import language
 from framework.tasks.base import register
@@ -75,9 +75,9 @@ class Sft(CausalLM):
     def check(self, cfg, strategy) -> List[str]:
         problems = super().check(cfg, strategy)
         name = cfg.data.chat_template
-        if name is not None and name not in chat.BUILTIN and not Path(name).is_file():
+        if name is not None and name not in templates.BUILTIN and not Path(name).is_file():
             problems.append(f"data.chat_template: '{name}' is neither a built-in template "
-                            f"({', '.join(chat.BUILTIN)}) nor a file (relative paths start at {Path.cwd()})")
+                            f"({', '.join(templates.BUILTIN)}) nor a file (relative paths start at {Path.cwd()})")
         return problems
 
     def columns(self, cfg) -> Dict[str, str]:
@@ -95,15 +95,15 @@ class Sft(CausalLM):
     def load(self, cfg, train, evaluation):
         config = pretrained_causal_config(cfg.model)  # the model's kind first: the most basic mistake
         tokenizer, _ = self.tokenizer(cfg)
-        chat.use_template(tokenizer, cfg.data.chat_template, needed=cfg.sft.train_on != "completion")
+        templates.use_template(tokenizer, cfg.data.chat_template, needed=cfg.sft.train_on != "completion")
         if tokenizer.pad_token is None:  # padding is never a target
             tokenizer.pad_token = tokenizer.eos_token
         if config is None:
             model = self._from_config(cfg, tokenizer)
         else:
             model = pretrained_causal_lm(cfg.model, config)
-            chat.resize_embeddings(model, tokenizer)  # the template's new special tokens
-        stop = chat.end_of_turn_ids(tokenizer, cfg.data.chat_template)
+            templates.resize_embeddings(model, tokenizer)  # the template's new special tokens
+        stop = templates.end_of_turn_ids(tokenizer, cfg.data.chat_template)
         if stop:  # model/ then answers a pipeline("text-generation") conversation up to the end of its turn
             model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -183,9 +183,9 @@ class SftRun(CausalRun):
         if cfg.eval.prompt is not None:
             if not tokenizer.chat_template:
                 return None
-            prompt = chat.render(tokenizer, [{"role": "user", "content": cfg.eval.prompt}], "eval.prompt",
+            prompt = templates.render(tokenizer, [{"role": "user", "content": cfg.eval.prompt}], "eval.prompt",
                                  add_generation_prompt=True)
-            ids = chat.encode(tokenizer, prompt)[0]
+            ids = templates.encode(tokenizer, prompt)[0]
         else:
             if len(eval_ds) == 0:
                 return None
@@ -218,15 +218,15 @@ def encode_row(tokenizer, row: Dict, cfg, length: int):
     """(token ids, labels, fate) of one row; the labels are the ids where trained on, else ``IGNORE``."""
     s = cfg.sft
     if s.train_on == "completion":
-        where = f"sft.prompt_column/sft.completion_column, the row {chat.snippet(row)}"
-        ids, mask = chat.prompt_completion_tokens(tokenizer, row[s.prompt_column], row[s.completion_column], where)
+        where = f"sft.prompt_column/sft.completion_column, the row {templates.snippet(row)}"
+        ids, mask = templates.prompt_completion_tokens(tokenizer, row[s.prompt_column], row[s.completion_column], where)
     else:
         value = row[s.messages_column]
-        where = f"sft.messages_column, the row {chat.snippet(value)}"
-        messages = chat.conversation(value, where)
+        where = f"sft.messages_column, the row {templates.snippet(value)}"
+        messages = templates.conversation(value, where)
         if not any(m["role"] == "assistant" for m in messages):
             return [], [], NO_ASSISTANT
-        ids, mask = chat.conversation_tokens(tokenizer, messages, where)
+        ids, mask = templates.conversation_tokens(tokenizer, messages, where)
         if s.train_on == "all":
             mask = [1] * len(ids)
     labels = [t if m else IGNORE for t, m in zip(ids, mask)]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from framework import chat
+from framework import templates
 from framework.errors import UserError
 from framework.user_code import module_of
 
@@ -193,7 +193,7 @@ class Rewards:
         """The rewards (completions x functions, float32, NaN where a function returned None) of each completion
         of the prompt in the same place of ``rows`` (the data's rows, as collated)."""
         column = self.prompt_column
-        prompts = [chat.maybe_conversation(row[column], f"{self.key.split('.')[0]}.prompt_column") or row[column]
+        prompts = [templates.maybe_conversation(row[column], f"{self.key.split('.')[0]}.prompt_column") or row[column]
                    for row in rows]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t

@@ -21,7 +21,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 
-from framework import chat, data
+from framework import data, templates
 from framework.errors import UserError
 from framework.losses import IGNORE
 from framework.tasks.online_rl import sampling
@@ -41,9 +41,9 @@ def row_key(row: Dict) -> int:
 def prompt_ids(tokenizer, prompt, where: str) -> List[int]:
     """A prompt's token ids as TRL's trainers make them: a conversation rendered with the generation prompt, text
     tokenized with the tokenizer's special tokens."""
-    conversation = chat.maybe_conversation(prompt, where)
+    conversation = templates.maybe_conversation(prompt, where)
     if conversation is not None:
-        ids = chat.encode(tokenizer, chat.render(tokenizer, conversation, where, add_generation_prompt=True))[0]
+        ids = templates.encode(tokenizer, templates.render(tokenizer, conversation, where, add_generation_prompt=True))[0]
     else:
         ids = tokenizer(prompt, verbose=False)["input_ids"]
     if not ids:
@@ -58,7 +58,7 @@ def prepare_prompts(ds, tokenizer, column: str, length: int, key: str):
 
     def tokenize(batch, indices):
         out = dict(batch)
-        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {chat.snippet(prompt)}")[-length:]
+        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {templates.snippet(prompt)}")[-length:]
                            for prompt in batch[column]]
         out[INDEX] = [row_key({k: v[i] for k, v in batch.items()}) for i in range(len(indices))] if streamed \
             else indices

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from framework import backend, chat, data
+from framework import backend, data, templates
 from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM
 from framework.tasks.completions import Reference, completion_tokenizer, load_completion_model, target_logprobs
@@ -154,18 +154,18 @@ class OnlineRL(CausalLM):
 
         def check(row) -> bool:
             prompt = row[column]
-            where = f"{key}: the row {chat.snippet(row)}"
+            where = f"{key}: the row {templates.snippet(row)}"
             if isinstance(prompt, list) or (isinstance(prompt, str) and prompt.strip()):
-                chat.maybe_conversation(prompt, where)
+                templates.maybe_conversation(prompt, where)
                 return True
-            raise UserError(f"{where}: the prompt is {chat.snippet(prompt)}, not text nor a conversation (a list of "
+            raise UserError(f"{where}: the prompt is {templates.snippet(prompt)}, not text nor a conversation (a list of "
                             "{role, content}); fix or remove the row")
 
         return check
 
     def load(self, cfg, train, evaluation):
         model, tokenizer = load_completion_model(self, cfg)
-        stop = chat.end_of_turn_ids(tokenizer, cfg.data.chat_template)
+        stop = templates.end_of_turn_ids(tokenizer, cfg.data.chat_template)
         # model/ then answers in a pipeline("text-generation") up to where sampling stopped (training's sampling
         # sets the model's generation defaults aside: framework/tasks/online_rl/sampling.py).
         model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
@@ -205,7 +205,7 @@ class OnlineRun(LanguageRun):
         self.tokenizer, _ = completion_tokenizer(task, cfg)
         self.rewards = rewards.Rewards(g, task.section, self.tokenizer, accelerator)
         self.sampling = sampling.Sampling(g.temperature, g.top_k, g.top_p, g.max_completion_length,
-                                          chat.end_of_turn_ids(self.tokenizer, cfg.data.chat_template),
+                                          templates.end_of_turn_ids(self.tokenizer, cfg.data.chat_template),
                                           self.tokenizer.pad_token_id)
         # FSDP2 and ZeRO-3 gather each block's weights in its forward, a collective: the processes, each on its own
         # prompts, generate in lockstep until the last one's completions stop.

@@ -1,4 +1,4 @@
-"""Chat templates and conversations for post-training (``sft``, ``dpo``): which template renders a conversation,
+"""Chat templates and conversations for post-training (``sft``, ``dpo``, online RL): which template renders a conversation,
 checked conversations, and their tokens with the mask of what is trained on.
 
 A conversation is a list of ``{role, content}`` messages (roles ``system``, ``user``, ``assistant``, ``tool``;
