@@ -102,6 +102,18 @@ def cli_module(hf_home):
 
 
 @pytest.fixture(scope="session")
+def ddp_lm_run(tmp_path_factory, corpus, word_tokenizer, hf_home) -> Path:
+    """The language model's common run (tests/sharding.py's COMMON) under plain data parallelism on 2 processes:
+    the reference tests/test_fsdp.py's and tests/test_deepspeed.py's strategies train against."""
+    from sharding import COMMON, DDP_LAUNCH, launch
+
+    out = tmp_path_factory.mktemp("ddp_lm") / "out"
+    cli_runner(hf_home)(lm_args(word_tokenizer, corpus, out, *COMMON, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
+                        launch_args=launch())
+    return out
+
+
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory, tiny_model, easy_data, hf_home) -> Path:
     """LAUNCHERS_RUN under `accelerate launch` with 2 processes on this machine, uninterrupted: what the launcher
     tests' runs (2 machines, Slurm jobs) must end with."""

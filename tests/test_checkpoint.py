@@ -19,15 +19,16 @@ from helpers import (KILL_SCRIPT, ROOT, RUN, assert_bitwise_equal_models, crash_
                      losses_by_step, read_metrics, tiny_args)
 from in_process import run_captured, run_main, train_ok
 
-# 60 steps of 45 per epoch: the kill points below are mid-epoch in the second epoch, after step 50's checkpoint.
-# On the CPU wherever the tests run: bitwise comparisons need deterministic kernels (a GPU's are not, by default).
-COMMON = ["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10",
-          "checkpoint.keep_last=3"]
+# 16 steps of 5 per epoch (40 rows, 8 a step): the kill points below are mid-epoch in the third epoch, after step
+# 10's checkpoint. On the CPU wherever the tests run: bitwise comparisons need deterministic kernels (a GPU's are not,
+# by default).
+COMMON = ["backend=cpu", "data.max_train_samples=40", "train.max_steps=16", "train.log_every=2",
+          "checkpoint.every_steps=5", "checkpoint.keep_last=3"]
 
 
 @pytest.mark.parametrize("case,extra,kill_at,launch", [
-    ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 53 + 1, None),
-    pytest.param("two_processes", ["train.batch_size=4"], 53, "cpu_ddp.yaml", marks=pytest.mark.multiprocess),
+    ("accumulation", ["train.batch_size=4", "train.gradient_accumulation_steps=2"], 2 * 13 + 1, None),
+    pytest.param("two_processes", ["train.batch_size=4"], 13, "cpu_ddp.yaml", marks=pytest.mark.multiprocess),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_path, case, extra, kill_at, launch):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -36,11 +37,11 @@ def test_exact_resume_after_sigkill(cli, tiny_model, easy_data, hf_home, tmp_pat
     else:
         train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON, *extra), hf_home)
     proc = crash_then_resume(hf_home, tiny_args(tiny_model, easy_data, resumed, *COMMON, *extra), kill_at, launch)
-    assert "resuming from" in proc.stdout and "step_50" in proc.stdout
+    assert "resuming from" in proc.stdout and "step_10" in proc.stdout
     assert_bitwise_equal_models(whole, resumed)
     expected, got = losses_by_step(whole), losses_by_step(resumed)
     assert got == expected  # every logged loss, before and after the resume point, to the last bit
-    assert json.loads((resumed / "summary.json").read_text())["train"]["resumed_from_step"] == 50
+    assert json.loads((resumed / "summary.json").read_text())["train"]["resumed_from_step"] == 10
 
 
 def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(tiny_model, easy_data, hf_home, tmp_path):
@@ -64,23 +65,30 @@ def test_sigterm_saves_exits_3_and_resumes_to_the_same_weights(tiny_model, easy_
     assert_bitwise_equal_models(whole, stopped)
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, tiny_model, easy_data, hf_home) -> Path:
+    """The uninterrupted run of COMMON, which the damaged checkpoints' runs must end with."""
+    out = tmp_path_factory.mktemp("whole") / "out"
+    train_ok(tiny_args(tiny_model, easy_data, out, *COMMON), hf_home)
+    return out
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_damaged_checkpoint_is_skipped_with_a_warning(tiny_model, easy_data, hf_home, tmp_path, damage):
-    whole, out = tmp_path / "whole", tmp_path / "out"
+def test_damaged_checkpoint_is_skipped_with_a_warning(tiny_model, easy_data, hf_home, tmp_path, whole, damage):
+    out = tmp_path / "out"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
-    train_ok(tiny_args(tiny_model, easy_data, whole, *COMMON), hf_home)
     proc = subprocess.run([sys.executable, str(KILL_SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=environment(hf_home, KILL_AT_MICRO="53"), timeout=600)
+                          env=environment(hf_home, KILL_AT_MICRO="13"), timeout=600)
     assert proc.returncode != 0
-    victim = out / "checkpoints" / "step_50" / "optimizer.bin"
+    victim = out / "checkpoints" / "step_10" / "optimizer.bin"
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:100])
     else:
         victim.unlink()
     resumed = run_captured(args, hf_home)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"skipping checkpoint {out / 'checkpoints' / 'step_50'}: optimizer.bin is" in resumed.stdout
-    assert "resuming from" in resumed.stdout and "step_40" in resumed.stdout
+    assert f"skipping checkpoint {out / 'checkpoints' / 'step_10'}: optimizer.bin is" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "step_5" in resumed.stdout
     assert_bitwise_equal_models(whole, out)
 
 

@@ -16,39 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, summary
+from helpers import crash_then_resume, lm_args, lora_lm_args, losses_by_step, summary, weights
+from sharding import COMMON, CUDA, LOSS_TOLERANCE, WEIGHT_TOLERANCE, launch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]'")
-CUDA = torch.cuda.is_available()
 LEFT_BEHIND = Path(__file__).resolve().parent / "scripts" / "left_behind.py"
 FAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_at.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(CUDA, reason="the CPU path; make test-gpu runs ZeRO on GPUs")]
-# 12 optimizer steps, a checkpoint every 4 (the kill below is after step 8's), as tests/test_fsdp.py.
-COMMON = ["backend=cpu", "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
-          "train.cpu_threads=1"]
-# ZeRO reduces each gradient in buckets of its own (reduce-scatter, or all-reduce then partition) where DDP all-
-# reduces its own buckets: the same sums in another order, fp32 rounding apart. As tests/test_fsdp.py says of FSDP2,
-# AdamW divides each update by sqrt(v), so a gradient that differs in its last bits moves a weight by up to ~lr *
-# 1e-3. Measured over the 12 steps here (the test prints them): ZeRO-1 and ZeRO-2, losses within 2.6e-7 of DDP's
-# and weights within 7.5e-6; ZeRO-3, 7.5e-7 and 8.0e-6. The bounds: FSDP2's (2.5 x the measured).
-WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
-LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-def launch(processes: int = 2) -> list:
-    return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
-
-
-def weights(out: Path) -> dict:
-    return load_file(out / "model" / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
-    out = tmp_path_factory.mktemp("ddp") / "out"
-    cli_module(lm_args(word_tokenizer, corpus, out, *COMMON, "distributed.strategy=ddp"), launch="cpu_ddp.yaml",
-               launch_args=launch())
-    return out
 
 
 def zero_args(word_tokenizer, corpus, out: Path, stage: int) -> list:
@@ -92,13 +66,13 @@ def test_the_deepspeed_contract_the_cpu_switch_relies_on():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_run, zero_runs):
+def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_lm_run, zero_runs):
     out, _, proc = zero_runs(stage)
     assert f"strategy: deepspeed (ZeRO stage {stage})" in proc.stdout and "num_processes: 2" in proc.stdout
     assert "shm_comm_op built" not in proc.stdout + proc.stderr  # nothing compiled
-    a, b = losses_by_step(out), losses_by_step(ddp_run)
+    a, b = losses_by_step(out), losses_by_step(ddp_lm_run)
     assert len(a) == 12 and a.keys() == b.keys()
-    wa, wb = weights(out), weights(ddp_run)
+    wa, wb = weights(out), weights(ddp_lm_run)
     assert wa.keys() == wb.keys()
     torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), **LOSS_TOLERANCE)
     for name in wa:
@@ -107,7 +81,7 @@ def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_run, zero_runs)
                   "max weight difference": max((wa[k] - wb[k]).abs().max().item() for k in wa)})
 
 
-def test_bf16_under_zero2_and_zero3_follows_ddp_bf16(ddp_run, cli_module, corpus, word_tokenizer, tmp_path):
+def test_bf16_under_zero2_and_zero3_follows_ddp_bf16(ddp_lm_run, cli_module, corpus, word_tokenizer, tmp_path):
     """precision=bf16: DDP autocasts fp32 weights, DeepSpeed's bf16 mode trains bf16 weights over fp32 master
     copies, so the two differ by bf16's rounding: over 12 steps the losses stay within 1e-3 of DDP's (measured
     3.2e-4), and model/ holds the bf16 weights DeepSpeed trained (the fp32 masters stay in the checkpoints)."""
@@ -119,7 +93,7 @@ def test_bf16_under_zero2_and_zero3_follows_ddp_bf16(ddp_run, cli_module, corpus
                           launch="cpu_ddp.yaml", launch_args=launch())
         assert "precision: bf16" in proc.stdout
     reference = losses_by_step(runs["ddp"])
-    assert len(reference) == 12 and losses_by_step(ddp_run) != reference  # bf16 changed the fp32 run's losses
+    assert len(reference) == 12 and losses_by_step(ddp_lm_run) != reference  # bf16 changed the fp32 run's losses
     for name in ("zero2", "zero3"):
         got = losses_by_step(runs[name])
         assert got.keys() == reference.keys()

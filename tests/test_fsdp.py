@@ -1,6 +1,7 @@
 """FSDP2 for real on CPU processes (gloo; NCCL on GPUs under make test-gpu): accelerate's own FSDP2 path
-(backend.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP and 1 with twice the batch do, each
-holding half of the weights, gradients and optimizer state (as the memory plan says); sharded checkpoints
+(backend.fsdp2_on_cpu_processes). 2 processes of FSDP2 train what 2 of DDP do (what one process with twice the batch
+does, for every task: the task contract's matrix), each holding half of the weights, gradients and optimizer state
+(as the memory plan says); sharded checkpoints
 (torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
 pipeline(); a checkpoint refuses another process count by name. Tensor parallelism (accelerate's ParallelismConfig
 tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama; so do FSDP2 with activation
@@ -16,57 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ROOT, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines,
-                     read_metrics, run_ok, tiny_args)
+from helpers import (ROOT, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines, read_metrics,
+                     run_ok, summary, weights)
 from in_process import run_captured, train_ok
+from sharding import BACKEND, COMMON, CUDA, DDP_LAUNCH, WEIGHT_TOLERANCE, assert_trains_alike, into, launch
 
-CUDA = torch.cuda.is_available()
-# The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
-# deterministic kernels: on the CPU they are; on a GPU the resume is compared within the tolerance below.
-BACKEND = "backend=gpu" if CUDA else "backend=cpu"
-# Plain data parallel (and tensor parallelism) over the same processes: cpu_ddp.yaml forces the CPU (use_cpu).
-DDP_LAUNCH = "multi_gpu.yaml" if CUDA else "cpu_ddp.yaml"
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
-# 12 optimizer steps of 8 blocks (21 per epoch: the kill below is mid-epoch), a sharded checkpoint every 4.
-COMMON = [BACKEND, "train.max_steps=12", "train.log_every=1", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
-          "train.cpu_threads=1"]
-# FSDP2 sums each gradient shard with a reduce-scatter, DDP with an all-reduce, one process in its own matrix
-# products: the same sums in another order, so fp32 rounding (about 6e-8 of each term) differs. Measured over the
-# 12 steps here: losses within 2.5e-7 of DDP's (bitwise over the first 6 steps) and 5.3e-7 of one process's;
-# weights within 4.6e-6 and 5.0e-6 absolute, the size by which DDP itself differs from one process (4.5e-6): AdamW
-# divides each update by sqrt(v), so a gradient that differs in its last bits moves a weight by up to ~lr * 1e-3.
-# Relative figures mean nothing for weights near 0, so the bound is absolute: 4 x the measured.
-WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
-LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-def launch(processes: int = 2) -> list:
-    return ["--num_processes", str(processes), "--main_process_port", str(free_port())]
-
-
-def into(args: list, out: Path) -> list:
-    """The same run's arguments with another output_dir."""
-    return [a if not a.startswith("output_dir=") else f"output_dir={out}" for a in args]
-
-
-def weights(out: Path) -> dict:
-    return load_file(out / "model" / "model.safetensors")
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
-
-
-def assert_trains_alike(a: Path, b: Path, weight_tolerance: dict = WEIGHT_TOLERANCE) -> None:
-    """Two runs' losses at every logged step within LOSS_TOLERANCE, and their saved weights, name for name, within
-    ``weight_tolerance``."""
-    torch.testing.assert_close(torch.tensor(list(losses_by_step(a).values())),
-                               torch.tensor(list(losses_by_step(b).values())), **LOSS_TOLERANCE)
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], **weight_tolerance, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -93,35 +50,17 @@ def test_generating_mid_training_under_fsdp2_leaves_the_weights_bitwise(cli_modu
     assert "generating mid-training kept the weights (fsdp)" in proc.stdout
 
 
-def test_fsdp2_trains_what_ddp_and_one_process_with_twice_the_batch_train(fsdp_run, cli_module, corpus,
-                                                                          word_tokenizer, hf_home, tmp_path):
+def test_fsdp2_trains_what_ddp_does(fsdp_run, ddp_lm_run):
+    """2 processes of FSDP2 and of DDP on the same batches (one process's equivalence is the task contract's matrix,
+    tests/test_task_contract.py): losses and weights within the sharded bounds, the tied output layer saved once (the
+    same weight names), every eval token counted once over the 2 processes."""
     out, _, proc = fsdp_run
     assert "strategy: fsdp (version 2)" in proc.stdout and "num_processes: 2" in proc.stdout
-    ddp, one = tmp_path / "ddp", tmp_path / "one"
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *COMMON, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
-               launch_args=launch())
-    train_ok(lm_args(word_tokenizer, corpus, one, *COMMON, "train.batch_size=8"), hf_home)
     assert len(losses_by_step(out)) == 12
-    for other in (ddp, one):
-        assert_trains_alike(out, other)  # the same weight names: the tied output layer is not saved twice
-    ev = [r for r in read_metrics(out) if "eval_loss" in r][-1]
-    ev_one = [r for r in read_metrics(one) if "eval_loss" in r][-1]
-    assert ev["eval_tokens"] == ev_one["eval_tokens"]  # every eval token counted once over the 2 processes
-    assert ev["eval_loss"] == pytest.approx(ev_one["eval_loss"], rel=1e-5)
-
-
-def test_a_bert_classifier_under_fsdp2_trains_what_one_process_with_twice_the_batch_does(cli_module, tiny_model,
-                                                                                        easy_data, hf_home, tmp_path):
-    """The default task's model kind: BERT lists its embeddings among its blocks (``_no_split_modules``), which
-    accelerate also shards as a unit of their own; sharded twice, the default recipe under fsdp.yaml ended in a
-    TypeError inside fully_shard (backend.fsdp2_wrap_classes leaves the embeddings' block out)."""
-    fsdp, one = tmp_path / "fsdp", tmp_path / "one"
-    common = [BACKEND, "train.max_steps=6", "train.cpu_threads=1"]
-    proc = cli_module(tiny_args(tiny_model, easy_data, fsdp, *common, "train.batch_size=4"), launch="fsdp.yaml",
-                      launch_args=launch())
-    assert "strategy: fsdp (version 2)" in proc.stdout
-    train_ok(tiny_args(tiny_model, easy_data, one, *common), hf_home)
-    assert_trains_alike(fsdp, one)
+    assert_trains_alike(out, ddp_lm_run)
+    ev, ev_ddp = ([r for r in read_metrics(o) if "eval_loss" in r][-1] for o in (out, ddp_lm_run))
+    assert ev["eval_tokens"] == ev_ddp["eval_tokens"]
+    assert ev["eval_loss"] == pytest.approx(ev_ddp["eval_loss"], rel=1e-5)
 
 
 def test_each_process_holds_half_of_the_states_as_the_plan_says(fsdp_run):
@@ -412,18 +351,6 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     text = pipeline("text-generation", model=str(tp / "model"), device="cpu")("the cat", max_new_tokens=3,
                                                                                do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat")
-
-
-def test_tensor_parallel_shards_an_untied_head_of_its_own(cli_module, corpus, word_tokenizer, hf_home, tmp_path):
-    """An output layer of its own (tie_word_embeddings false: Llama's own default) is sharded by vocabulary as the
-    embedding is; trains what one process does, to the same tolerances as the tied model."""
-    untied = "model.config.tie_word_embeddings=false"
-    one, tp = tmp_path / "one", tmp_path / "tp"
-    train_ok(llama_args(word_tokenizer, corpus, one, untied), hf_home)
-    cli_module(llama_args(word_tokenizer, corpus, tp, untied, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
-               launch_args=launch())
-    assert_trains_alike(tp, one)
-    assert "lm_head.weight" in weights(tp)
 
 
 def test_fsdp2_with_activation_checkpointing_on_the_tied_llama_trains_what_one_process_does(

@@ -62,9 +62,8 @@ CONTRACTS = {
         fixtures=("tiny_model", "easy_data"), args=tiny_args, batch=8, weights=(1e-5, 1e-6), losses=None,
         overrides=["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"],
         eval=("loss", 1e-5), rows=lambda: synthetic_rows(100, seed=1), spoil=bad_text,
-        # 60 steps of 45 per epoch: killed mid-epoch in the second epoch, after step 50's checkpoint.
-        resume=["backend=cpu", "train.max_steps=60", "train.log_every=4", "checkpoint.every_steps=10",
-                "checkpoint.keep_last=3"], kill_at=53, resumed_from=50,
+        # 16 steps of 5 per epoch (40 rows): killed mid-epoch in the third epoch, after step 10's checkpoint.
+        resume=["backend=cpu", "data.max_train_samples=40", *RESUME], kill_at=13, resumed_from=10,
         message="data.text_column: column 'text' of data.train_file {data} holds values of several JSON types",
         slow=()),
     "causal_lm": dict(
@@ -111,8 +110,11 @@ CONTRACTS = {
 }
 
 
-# The task x strategy matrix: each strategy on 2 CPU processes (its launch, its keys). tests/test_fsdp.py and
-# tests/test_deepspeed.py go deeper into each (resume, memory, the contracts with accelerate and DeepSpeed).
+# The task x strategy matrix, the one owner of "strategy X trains what one process does": each strategy on 2 CPU
+# processes (its launch, its keys). tests/test_fsdp.py and tests/test_deepspeed.py go deeper into each (resume,
+# memory, the contracts with accelerate and DeepSpeed). Found by it: the default recipe's BERT classifier under FSDP2
+# ended in a TypeError inside fully_shard (BERT lists its embeddings among its blocks, which accelerate then sharded
+# twice: backend.fsdp2_wrap_classes leaves the embeddings' block out).
 STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
               "zero2": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=2"]),
               "zero3": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]),
