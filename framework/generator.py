@@ -79,12 +79,13 @@ def next_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
 
 class Generator:
     """Generates as ``framework.sampling.generate`` does (module docstring). Holds the static caches (one per
-    (rows, slots) shape) and the compiled decode step between calls: keep one per model. ``compile``: compile the
-    decode step (its first call per shape compiles it: seconds to a minute on the CPU)."""
+    (rows, slots) shape) and the compiled decode step between calls: keep one per model. ``compile``: the
+    ``torch.compile`` backend to compile the decode step with ("inductor"; its first call per shape compiles it),
+    None: eager."""
 
-    def __init__(self, compile: bool = False):
-        self.compile = compile
-        self.step = torch.compile(next_logits, dynamic=False) if compile else next_logits
+    def __init__(self, compile: Optional[str] = None, compact: str = "masked"):
+        self.compact = compact
+        self.step = torch.compile(next_logits, backend=compile, dynamic=False) if compile else next_logits
         self.caches: Dict[Tuple, StaticCache] = {}
         self.timings = Timings()
 
@@ -114,12 +115,14 @@ class Generator:
         completions: List[List[int]] = [[] for _ in range(rows)]
         recorded: Optional[List[List[float]]] = [[] for _ in range(rows)] if logprobs else None
         running = list(range(rows))
+        batch = list(running)  # the row each of the cache's rows holds
         stops = set(sampling.stop_ids)
         self.timings = Timings(prefill=time.perf_counter() - start)
         start = time.perf_counter()
         while True:
             if running:  # under ``synced`` a process whose rows have all stopped still steps with the others
-                chosen = logits if len(running) == rows else logits[running]
+                where = {r: i for i, r in reversed(list(enumerate(batch)))}
+                chosen = logits if batch == running else logits[[where[r] for r in running]]
                 tokens = chosen.argmax(dim=-1) if sampler is None else sampler.noised(chosen, running).argmax(dim=-1)
                 if recorded is not None:
                     logp = torch.log_softmax(chosen / sampling.temperature, dim=-1).gather(1, tokens[:, None])
@@ -130,8 +133,14 @@ class Generator:
                 running = [r for r in running if not self._stopped(completions[r], new, stops, stop_sequences)]
             if not self._continues(bool(running), synced, device):
                 break
-            input_ids = torch.full((rows, 1), sampling.pad_id, dtype=torch.long)
-            input_ids[running, 0] = torch.tensor([completions[r][-1] for r in running], dtype=torch.long)
+            target = self._rows(len(running), len(batch))
+            if target < len(batch):  # drop stopped rows from the batch and the cache
+                keep = running or batch[:1]
+                keep = keep + keep[:1] * (target - len(keep))
+                index = torch.tensor([batch.index(r) for r in keep], device=device)
+                cache = self._moved(model, cache, index, slots + new)
+                attention_mask, position_ids, batch = attention_mask[index], position_ids[index], keep
+            input_ids = torch.tensor([[completions[r][-1]] for r in batch], dtype=torch.long)
             logits = self.step(model, input_ids.to(device), position_ids, attention_mask, cache)
             position_ids += 1
             self.timings.steps += 1
@@ -160,6 +169,25 @@ class Generator:
             static.values[:, :, slots - longest:slots].copy_(values)
             static.cumulative_length.fill_(slots)  # the next token's slot: every row's first new token
         return out.logits[:, -1].float().index_select(0, index), cache
+
+    def _rows(self, running: int, rows: int) -> int:
+        if self.compact == "masked":
+            return rows
+        if self.compact == "exact":
+            return max(running, 1)
+        return 1 << (max(running, 1) - 1).bit_length()
+
+    def _moved(self, model, cache: StaticCache, index: torch.Tensor, length: int) -> StaticCache:
+        """The cache of ``len(index)`` rows holding rows ``index`` of ``cache``."""
+        smaller = self._cache(model, len(index), length)
+        for target, source in zip(smaller.layers, cache.layers):
+            keys, values = source.keys.index_select(0, index), source.values.index_select(0, index)
+            if not target.is_initialized:
+                target.lazy_initialization(keys, values)
+            target.keys.copy_(keys)
+            target.values.copy_(values)
+            target.cumulative_length.copy_(source.cumulative_length)
+        return smaller
 
     def _cache(self, model, rows: int, length: int) -> StaticCache:
         """The static cache of this shape, made at its first use and kept (a compiled step's graph is of its
