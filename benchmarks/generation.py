@@ -14,16 +14,18 @@ in one process, the sides alternated over rounds.
   disable_compile=True))`` with TRL's ``generation_kwargs`` (``do_sample=True``, the recipe's temperature, top-p
   and top-k, its stop tokens, min_p None, repetition penalty 1), on the same left-padded prompts.
 
-Both run under ``backend.generating`` (eval mode, no gradients) with the model's own generation defaults as
+All run under ``backend.generating`` (eval mode, no gradients) with the model's own generation defaults as
 each side sets them. Each call's figures: the completion tokens kept (through each row's first stop token, as
-both sides keep them), the decode steps (generate runs until every row has stopped: the batch's longest
-completion), and seconds. Printed per side: tokens/s and milliseconds per decode step, each the total over its
-calls, and their framework/TRL ratios; the two sides sample different tokens, so their completions (and decode
-steps) differ, and the time per decode step is the comparison that does not depend on what was drawn (the
-generator sides draw what framework draws). For the generator sides, their prefill's seconds and their decode
-steps' milliseconds apart. Then the decode step's bounds at the batch's rows: its FLOPs at the throughput of a
-large matrix product (the vector units' bound) and its bytes of fp32 weights at the bandwidth of a large tensor
-copy, both measured here. Then one whole GRPO step's time on the same prompts, and generation's share of it.
+every side keeps them), the decode steps (generate runs until every row has stopped: the batch's longest
+completion), seconds, and the process's CPU seconds (on a shared machine, less disturbed by the other work than
+the wall clock). Printed per side: tokens/s and milliseconds per decode step, each the total over its calls, the
+CPU seconds a call, and the ratios against TRL and framework. TRL samples other tokens, so its completions (and
+decode steps) differ, and the time per decode step is the comparison that does not depend on what was drawn; the
+generator sides draw what framework draws (the count of completions that differ is printed). For the generator
+sides, their prefill's seconds and their decode steps' milliseconds apart. Then the decode step's bounds at the
+batch's rows: its FLOPs at the throughput of a large matrix product (the vector units' bound) and its bytes of
+fp32 weights at the bandwidth of a large tensor copy, both measured here. Then one whole GRPO step's time on the
+same prompts, and each side's call against it.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ def trl_generate(model, prompts, task, tokenizer):
 
 
 def timed(generate) -> tuple:
-    """(completion tokens, decode steps, seconds) of one call."""
-    start = time.perf_counter()
+    """(completion tokens, decode steps, seconds, the process's CPU seconds) of one call."""
+    start, cpu = time.perf_counter(), time.process_time()
     completions = generate()
-    seconds = time.perf_counter() - start
-    return sum(len(c) for c in completions), max(len(c) for c in completions), seconds
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return sum(len(c) for c in completions), max(len(c) for c in completions), seconds, cpu
 
 
 def decode_bounds(model: torch.nn.Module, rows: int) -> str:
@@ -121,7 +123,7 @@ def main() -> None:
         "TRL": lambda model: trl_generate(model, prompts, task, run.tokenizer),
     }
     sides = {name: known[name] for name in args.sides.split(",")}
-    totals = {name: [0, 0, 0.0] for name in sides}
+    totals = {name: [0, 0, 0.0, 0.0] for name in sides}
     drawn = {}  # each side's completions: every call of a side draws the same
     split = {name: [0.0, 0.0, 0] for name in sides if name in generators}  # prefill s, decode s, decode steps
     print(f"{len(prompts)} rows ({len(prompts) // task.grpo.num_generations} prompts x {task.grpo.num_generations}), "
@@ -141,8 +143,8 @@ def main() -> None:
             figures = {}
             for name in order:
                 for _ in range(args.calls):
-                    tokens, steps, seconds = timed(lambda: sides[name](model))
-                    for i, value in enumerate((tokens, steps, seconds)):
+                    tokens, steps, seconds, cpu = timed(lambda: sides[name](model))
+                    for i, value in enumerate((tokens, steps, seconds, cpu)):
                         totals[name][i] += value
                     if name in split:
                         timings = generators[name].timings
@@ -153,15 +155,15 @@ def main() -> None:
             print(f"round {round_}: " + "; ".join(f"{n}: {', '.join(f)}" for n, f in figures.items()))
         print(decode_bounds(model, len(prompts)))
     calls = args.rounds * args.calls
-    rows = {name: (tokens / seconds, 1000 * seconds / steps, tokens / calls)
-            for name, (tokens, steps, seconds) in totals.items()}
-    for name, (rate, per_step, mean_tokens) in rows.items():
+    rows = {name: (tokens / seconds, 1000 * seconds / steps, tokens / calls, cpu / calls)
+            for name, (tokens, steps, seconds, cpu) in totals.items()}
+    for name, (rate, per_step, mean_tokens, cpu) in rows.items():
         ratios = ", ".join(f"x{rate / rows[other][0]:.2f} tokens/s, x{per_step / rows[other][1]:.2f} ms/step vs {other}"
                            for other in ("TRL", "framework") if other in rows and other != name)
         detail = (f"; prefill {split[name][0] / calls:.2f} s, decode {1000 * split[name][1] / split[name][2]:.1f} ms "
                   "a step" if name in split else "")
         print(f"{name:9s}  {rate:8.1f} completion tokens/s  {per_step:7.1f} ms per decode step  "
-              f"({mean_tokens:.0f} tokens a call{detail}){'  ' + ratios if ratios else ''}")
+              f"({mean_tokens:.0f} tokens, {cpu:.2f} CPU s a call{detail}){'  ' + ratios if ratios else ''}")
     # Where a whole step's time goes: the same prompts' step (generation, scoring, the updates), timed after one
     # untimed step (its completions differ as the weights move), against the generation's time measured above.
     run.model.train()

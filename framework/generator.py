@@ -81,21 +81,6 @@ def next_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
     return out.logits[:, -1].float()
 
 
-def static_cache(model: torch.nn.Module, length: int, layers: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 first: int, next_slot: int) -> StaticCache:
-    """A static cache of ``length`` slots holding each layer's (keys, values) from slot ``first`` on, the slot
-    the next token goes to ``next_slot``."""
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    if any(layer.is_sliding for layer in cache.layers):  # a window's slots wrap around: not this layout
-        raise ValueError("framework.generator: models with sliding-window attention layers are not supported yet")
-    for layer, (keys, values) in zip(cache.layers, layers):
-        layer.lazy_initialization(keys, values)  # its dtype, device and heads
-        layer.keys[:, :, first:first + keys.shape[2]].copy_(keys)
-        layer.values[:, :, first:first + values.shape[2]].copy_(values)
-        layer.cumulative_length.fill_(next_slot)
-    return cache
-
-
 class Generator:
     """Generates as ``framework.sampling.generate`` does (module docstring). ``compile``: the ``torch.compile``
     backend of the decode step ("inductor"; its first call per cache shape compiles it; the instance keeps the
@@ -121,6 +106,8 @@ class Generator:
 
     def _generate(self, model, prompts, seeds, sampling: Sampling, greedy: bool, synced: bool,
                   stop_sequences: List[List[int]], logprobs: bool) -> Generated:
+        """The prefill, then a draw per running row and a decode step of the running rows (compiled: of every
+        row) until every row has stopped (``synced``: on every process)."""
         device = next(model.parameters()).device
         rows, new = len(prompts), sampling.max_new_tokens
         slots = bucket(max(len(p) for p in prompts))
@@ -155,8 +142,7 @@ class Generator:
             if not self.compiled and len(batch) > max(len(running), 1):  # drop the stopped rows
                 keep = running or batch[:1]
                 index = torch.tensor([batch.index(r) for r in keep], device=device)
-                cache = static_cache(model, slots + new, [(layer.keys[index], layer.values[index])
-                                                          for layer in cache.layers], 0, slots + steps)
+                cache.reorder_cache(index)  # transformers' batch selection (beam search's)
                 attention_mask, position_ids, batch = attention_mask[index], position_ids[index], keep
             input_ids = torch.tensor([[completions[r][-1]] for r in batch], device=device)
             logits = self.step(model, input_ids, position_ids, attention_mask, cache)
@@ -178,8 +164,16 @@ class Generator:
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                     position_ids=position_ids.to(device), cache=prefill, use_cache=True, logits_to_keep=1)
         index = torch.tensor(source, device=device)
-        cache = static_cache(model, length, [(layer.keys[index], layer.values[index]) for layer in prefill.layers],
-                             slots - input_ids.shape[1], slots)
+        prefill.reorder_cache(index)  # each row's copy of its prompt's keys and values
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        if any(layer.is_sliding for layer in cache.layers):  # a window's slots wrap around: not this layout
+            raise ValueError("framework.generator: models with sliding-window attention layers are not supported yet")
+        first = slots - input_ids.shape[1]
+        for static, dynamic in zip(cache.layers, prefill.layers):
+            static.lazy_initialization(dynamic.keys, dynamic.values)  # its dtype, device and heads
+            static.keys[:, :, first:slots].copy_(dynamic.keys)
+            static.values[:, :, first:slots].copy_(dynamic.values)
+            static.cumulative_length.fill_(slots)
         return out.logits[:, -1].float().index_select(0, index), cache
 
     @staticmethod
