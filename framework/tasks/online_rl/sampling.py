@@ -20,13 +20,17 @@ same completions at every step).
 The model's own generation defaults (``generation_config.json``: a repetition penalty, suppressed tokens, its
 sampling settings) are set aside while sampling: they would change the distribution sampled from, which must be
 the one the loss's log-probabilities describe (the model's logits over the temperature, as TRL computes them).
+
+Online RL samples with its own generator (framework/tasks/online_rl/generator.py: a static cache, one prefill of
+the distinct prompts, keyed sampling through ``KeyedSampling.noised``), which draws what ``generate`` here draws;
+``generate`` runs the models the generator does not (sliding-window attention) and is what it is checked against.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -66,11 +70,17 @@ class KeyedSampling(LogitsProcessor):
         self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.noised(scores)
+
+    def noised(self, scores: torch.FloatTensor, rows: Optional[Sequence[int]] = None) -> torch.FloatTensor:
+        """The warped log-probabilities plus Gumbel noise, row by row from the generators of ``rows`` (which
+        row of the batch each of ``scores`` is; default: all, in order). A generator only advances when its row
+        is drawn: framework/generator.py draws for the rows that have not stopped."""
         for warper in self.warpers:
-            scores = warper(input_ids, scores)
+            scores = warper(None, scores)  # the warpers read the scores only
         logp = torch.log_softmax(scores.float(), dim=-1)  # -inf where the warpers removed a token
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
-                               for g in self.generators])
+        generators = self.generators if rows is None else [self.generators[r] for r in rows]
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in generators])
         tiny = torch.finfo(uniform.dtype).tiny
         return logp - torch.log(-torch.log(uniform.clamp(min=tiny)))
 

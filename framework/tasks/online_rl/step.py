@@ -35,7 +35,6 @@ import torch
 from framework import backend
 from framework.losses import IGNORE
 from framework.step import Count, StepContext, StepResult
-from framework.tasks.online_rl import sampling
 from framework.tasks.online_rl.advantages import nanstd
 from framework.tasks.online_rl.rollout import generation_batch, rollout_batch
 
@@ -82,7 +81,7 @@ class OnlineStep:
         group = g.num_generations
         prompts, seeds = generation_batch(batches, group, run.seed)
         with backend.generating(acc, ctx.model, ctx.mesh) as model:
-            completions = sampling.generate(model, prompts, seeds, run.sampling, synced=run.synced)
+            completions = run.generate(model, prompts, seeds)
         per_function = run.rewards.score_together(
             [row for batch in batches for row in batch["rows"] for _ in range(group)], completions)
         stops = set(run.sampling.stop_ids)

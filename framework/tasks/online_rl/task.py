@@ -29,7 +29,7 @@ from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM
 from framework.tasks.completions import Reference, completion_tokenizer, load_completion_model, target_logprobs
 from framework.tasks.language import LanguageRun
-from framework.tasks.online_rl import rewards, sampling
+from framework.tasks.online_rl import generator, rewards, sampling
 from framework.tasks.online_rl.rollout import PROMPT_IDS, PromptCollator, prepare_prompts
 from framework.tasks.online_rl.step import OnlineStep
 
@@ -191,15 +191,20 @@ class OnlineRL(CausalLM):
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         g = self.settings(cfg)
-        return OnlineRun(self, cfg, accelerator, Reference.of(model, accelerator) if g.beta > 0 else None)
+        return OnlineRun(self, cfg, accelerator, Reference.of(model, accelerator) if g.beta > 0 else None,
+                         generator.supports(model))
 
 
 class OnlineRun(LanguageRun):
-    """An online-RL task bound to its run: its section's settings, reward functions, sampling settings, the tokenizer
-    (it decodes completions for the rewards; loaded again from the recipe as ``load`` made it), the reference."""
+    """An online-RL task bound to its run: its section's settings, reward functions, sampling settings and how it
+    generates, the tokenizer (it decodes completions for the rewards; loaded again from the recipe as ``load`` made
+    it), the reference. ``own_generator``: the model runs on framework/tasks/online_rl/generator.py's generator (else
+    on transformers' generate: a model with sliding-window attention)."""
 
-    def __init__(self, task: OnlineRL, cfg, accelerator, reference: Optional[Reference] = None):
+    def __init__(self, task: OnlineRL, cfg, accelerator, reference: Optional[Reference] = None,
+                 own_generator: bool = True):
         super().__init__(task, cfg, accelerator)
+        self.generator = generator.Generator() if own_generator else None
         g = self.settings = task.settings(cfg)
         self.section, self.seed, self.accelerator, self.reference = task.section, cfg.seed, accelerator, reference
         self.tokenizer, _ = completion_tokenizer(task, cfg)
@@ -218,6 +223,15 @@ class OnlineRun(LanguageRun):
                                    generated_rows=t.batch_size * t.gradient_accumulation_steps * g.num_generations,
                                    generated_length=self.task.sequence_length(self.cfg, model),
                                    frozen=self.reference.models() if self.reference else [])
+
+    def generate(self, model: torch.nn.Module, prompts: List[List[int]], seeds: List[int],
+                 greedy: bool = False) -> List[List[int]]:
+        """One completion of each prompt (through its stop token where one came), row i sampled with the generator
+        seeded ``seeds[i]`` (``greedy``: the most likely tokens), on every process in lockstep where the model's
+        weights are sharded (``synced``). The model is left in eval mode: call it inside ``backend.generating``."""
+        if self.generator is None:
+            return sampling.generate(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced)
+        return self.generator(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced).completions
 
     def logprobs(self, model: torch.nn.Module, rollout: Dict[str, torch.Tensor], with_entropy: bool = False):
         """Per token of a micro-batch of rollouts, the log-probability of its target (``target_logprobs``, at the
@@ -248,7 +262,7 @@ class OnlineRun(LanguageRun):
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
         """Per held-out prompt: the rewards of its greedy completion, per function and weighted."""
         inner = backend.generation_ready(self.accelerator, self.accelerator.unwrap_model(model))
-        completions = sampling.generate(inner, batch["prompt_ids"], [], self.sampling, greedy=True, synced=self.synced)
+        completions = self.generate(inner, batch["prompt_ids"], [], greedy=True)
         per_function = self.rewards.score_together(batch["rows"], completions)
         device = next(inner.parameters()).device
         return {"rewards": per_function.to(device), "reward": self.rewards.total(per_function).to(device)}
@@ -265,7 +279,7 @@ class OnlineRun(LanguageRun):
         if len(eval_ds) == 0:
             return None
         row = eval_ds[0]
-        completion = sampling.generate(model, [row[PROMPT_IDS]], [], self.sampling, greedy=True)[0]
+        completion = self.generate(model, [row[PROMPT_IDS]], [], greedy=True)[0]
         reward = self.rewards.total(self.rewards.score([PromptCollator.columns(row)], [completion]))
         return {"prompt": tokenizer.decode(row[PROMPT_IDS]), "generated": tokenizer.decode(completion),
                 "reward": f"{float(reward[0]):.4g}"}
