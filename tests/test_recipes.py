@@ -63,12 +63,17 @@ def refusal(capsys, monkeypatch, hf_home, tmp_path, recipe) -> str:
 def earlier_run(recipe: Path):
     """The shipped recipe whose run's model/ this recipe starts from (``model.name_or_path: runs/X/model``),
     or None."""
-    try:
-        path = load_config(recipe, []).model.name_or_path or ""
-    except UserError:
-        return None
+    def loaded(path: Path):
+        try:
+            return load_config(path, [])
+        except UserError:  # a recipe this backend refuses (the XLA tier loads them all)
+            return None
+
+    cfg = loaded(recipe)
+    path = (cfg and cfg.model.name_or_path) or ""
     for other in RECIPES:
-        if other != recipe and path == f"{load_config(other, []).output_dir}/model":
+        other_cfg = loaded(other) if other != recipe and path else None
+        if other_cfg is not None and path == f"{other_cfg.output_dir}/model":
             return other
     return None
 

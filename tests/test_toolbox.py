@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, TINY_RECIPE, read_metrics, tiny_args, train_losses
+from helpers import ROOT, TINY_RECIPE, checkpoint_states, read_metrics, tiny_args, train_losses
 from in_process import fresh_process, run_main
 
 
@@ -107,9 +107,6 @@ def test_param_group_trains_with_its_own_lr_and_weight_decay(tiny_model, easy_da
     at 1e-2, moves."""
     from transformers import AutoModelForSequenceClassification
 
-    from framework.recipe import load_config
-    from framework.optim import param_groups
-
     out = tmp_path / "out"
     args = tiny_args(tiny_model, easy_data, out, "optim.lr=1e-2", "optim.weight_decay=0.01",
                      "optim.param_groups=[{pattern: '^classifier[.]', lr: 1.0e-9, weight_decay: 0.5}]",
@@ -117,17 +114,16 @@ def test_param_group_trains_with_its_own_lr_and_weight_decay(tiny_model, easy_da
                      "checkpoint.every_steps=3", "checkpoint.keep_last=5")
     assert run_main(args, hf_home) == 0
 
-    # Parameter ids in the optimizer's state dict count through the groups in order: name them by
-    # rebuilding the groups over the same model.
+    # The checkpoint's optimizer state names each parameter's group settings by the parameter's name
+    # (framework/backend/states.py); every parameter of the model is in one.
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model)
-    names = {id(p): name for name, p in model.named_parameters()}
-    built = param_groups(model, load_config(TINY_RECIPE, args[2:]).optim)
-    saved = torch.load(out / "checkpoints" / "step_3" / "optimizer.bin", weights_only=True)["param_groups"]
-    assert [len(g["params"]) for g in saved] == [len(g["params"]) for g in built]
-    assert [i for g in saved for i in g["params"]] == list(range(len(names)))
-    by_name = {names[id(p)]: saved_group for built_group, saved_group in zip(built, saved)
-               for p in built_group["params"]}
-    assert set(by_name) == set(names.values())
+    saved = checkpoint_states(out / "checkpoints" / "step_3")["optimizer"]
+    by_name = {}
+    for key, value in saved.items():
+        if key.startswith("param_groups."):
+            name, setting = key.removeprefix("param_groups.").rsplit(".", 1)
+            by_name.setdefault(name, {})[setting] = value
+    assert set(by_name) == {name for name, _ in model.named_parameters()}
     factor = (6 - 3) / (6 - 2)  # linear schedule after 3 of 6 steps, 2 of them warmup
     expected = {"classifier.weight": (1e-9, 0.5), "classifier.bias": (1e-9, 0.0),
                 "bert.pooler.dense.weight": (1e-2, 0.01), "bert.pooler.dense.bias": (1e-2, 0.0),
@@ -162,7 +158,7 @@ def test_optimizer_is_the_class_asked_for(tiny_model, easy_data, hf_home, tmp_pa
                       + [f"optim.name={name}", "optim.lr=3e-4"])
     with fresh_process(hf_home):
         run = setup(cfg)
-    optimizer = run.optimizer.optimizer  # accelerate's wrapper around the optimizer the loop steps
+    optimizer = run.update.optimizer.optimizer  # accelerate's wrapper around the optimizer the loop steps
     assert type(optimizer) is expected
     assert {g["lr"] for g in optimizer.param_groups} == {3e-4}  # no warmup: the schedule starts at the peak
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(run.model.parameters()))
