@@ -1,28 +1,32 @@
 """Run outputs on disk: who owns ``output_dir``; checkpoints that are atomic, verified, retained and
-resumed (only with the recipe and device count that trained them); preemption; saving the model.
+resumed (only with the recipe that trained them, on its layout or another: framework/resharding.py); preemption;
+saving the model.
 
-A checkpoint is ``accelerator.save_state`` (model, optimizer, scheduler, grad scaler, every process's RNG
-states) plus ``trainer_state.json`` (the loop's counters, the recipe, the device count, and a manifest of
-every file with its size and SHA-256). It is written into a hidden temporary folder and renamed to
-``checkpoints/step_N`` only when complete, so a folder with that name was fully written; the manifest
-catches later damage.
+A checkpoint is the training state (framework/backend/states.py: the trained parameters and the optimizer's state
+in a form any layout loads, the schedule, grad scaler, every process's random states) plus ``trainer_state.json``
+(the loop's counters, the recipe, the run's layout, and a manifest of every file with its size and SHA-256). It is
+written into a hidden temporary folder and renamed to ``checkpoints/step_N`` only when complete, so a folder with
+that name was fully written; the manifest catches later damage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from omegaconf import OmegaConf
 
-from framework import adapters, backend, disk, profiling, report
+from framework import adapters, backend, disk, profiling, report, resharding
 from framework.config import RunConfig
 from framework.recipe import resume_differences
 from framework.errors import UserError
@@ -151,14 +155,20 @@ def recipe_differences(saved: Optional[Dict], cfg: RunConfig) -> Tuple[List[str]
     return resume_differences(saved, cfg)
 
 
-def check_devices(path: Path, devices: int) -> None:
-    """A checkpoint resumes only on as many devices as wrote it: each process's data position and random
-    state are in it, and the effective batch (per device x devices) must stay what the recipe says."""
-    saved = json.loads((path / STATE_FILE).read_text()).get("devices")
-    if saved is not None and saved != devices:
-        raise UserError(f"checkpoint.resume: {path} was trained on {saved} device(s) (processes x SPMD devices) "
-                        f"and this launch has {devices}; launch {saved} again to resume it (the effective batch "
-                        "and every process's data position depend on it), or choose a new output_dir=...")
+def resumed_layout(path: Path, here: resharding.Layout, cfg: RunConfig,
+                   problems: Callable[[RunConfig], List[str]]) -> Tuple[RunConfig, List[str]]:
+    """``resharding.resumed`` for the checkpoint at ``path``: the recipe adjusted to keep its effective batch on this
+    layout, and the plan's note. A checkpoint from before layouts were recorded resumes on its device count only."""
+    record = json.loads((path / STATE_FILE).read_text())
+    saved = resharding.Layout.of(record.get("layout"))
+    if saved is None:
+        devices = record.get("devices")
+        if devices is not None and devices != here.devices:
+            raise UserError(f"checkpoint.resume: {path} was trained on {devices} device(s) (processes x SPMD devices) "
+                            f"and this launch has {here.devices}; launch {devices} again to resume it (it was saved "
+                            "before checkpoints recorded their layout), or choose a new output_dir=...")
+        return cfg, []
+    return resharding.resumed(saved, here, cfg, str(path), problems)
 
 
 def clear_previous_outputs(output_dir: Path) -> None:
@@ -231,10 +241,11 @@ def newest_complete(folder: Path) -> Tuple[Optional[Path], List[str]]:
     return None, warnings
 
 
-def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int, protect_step: Optional[int],
-         recipe: Dict, devices: int, loader_state: Optional[Dict] = None) -> Path:
+def save(accelerator: Accelerator, model: torch.nn.Module, optimizer, output_dir: Path, state: Dict, keep_last: int,
+         protect_step: Optional[int], recipe: Dict, layout: resharding.Layout,
+         loader_state: Optional[Dict] = None) -> Path:
     """Write a checkpoint atomically. Every process must call it (sharded and XLA states save collectively).
-    ``recipe`` (``config.to_dict``) and ``devices`` are recorded so that a resume can be checked against them.
+    ``recipe`` (``config.to_dict``) and ``layout`` are recorded so that a resume can be checked against them.
     ``loader_state``: this process's position in a stream (each process reads its own share).
 
     A failed write (no space, read-only, the folder gone) removes its temporary folder and raises
@@ -251,16 +262,30 @@ def save(accelerator: Accelerator, output_dir: Path, state: Dict, keep_last: int
             folder.mkdir(exist_ok=True)  # not its parents: a vanished output_dir is not made again
             tmp.mkdir()
         accelerator.wait_for_everyone()
-        backend.save_state(accelerator, str(tmp))
+        backend.save_states(accelerator, model, optimizer, tmp)
         if loader_state is not None:
             save_loader_state(loader_state, tmp, accelerator.process_index)
         accelerator.wait_for_everyone()
+        failed = None
         if accelerator.is_main_process:
-            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}
-            record = {"state": state, "devices": devices, "recipe": recipe, "files": files}
-            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
-            _replace(tmp, final)
+            try:
+                files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                         for p in sorted(tmp.rglob("*")) if p.is_file()}
+                record = {"state": state, "layout": dataclasses.asdict(layout), "devices": layout.devices,
+                          "recipe": recipe, "files": files}
+                (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
+                _replace(tmp, final)
+            except Exception as e:
+                failed = e
+        # The others learn here why the main process's last writes failed (every process has written its shards).
+        why = [disk.problem(folder, failed, _last_size(folder)) or "its write failed on the first process"
+               if failed is not None else None]
+        if accelerator.num_processes > 1:
+            broadcast_object_list(why)
+        if failed is not None:
+            raise failed
+        if why[0] is not None:
+            raise disk.WriteFailed(f"cannot write {what} into {folder}: {why[0]}")
     if accelerator.is_main_process:
         _retain(folder, keep_last, protect_step)
     accelerator.wait_for_everyone()
@@ -296,9 +321,10 @@ def _retain(folder: Path, keep_last: int, protect_step: Optional[int]) -> None:
             shutil.rmtree(path)
 
 
-def load(accelerator: Accelerator, path: Path) -> Dict:
-    """Restore everything ``save`` wrote; returns the loop's state."""
-    accelerator.load_state(str(path))
+def load(accelerator: Accelerator, model: torch.nn.Module, optimizer, path: Path) -> Dict:
+    """Restore everything ``save`` wrote into this run's model and optimizer (resharded to their layout); returns the
+    loop's state."""
+    backend.load_states(accelerator, model, optimizer, path)
     return json.loads((path / STATE_FILE).read_text())["state"]
 
 

@@ -8,6 +8,9 @@ text (what else those libraries say still shows). ``silence()`` installs the fil
   AVX-512 bf16: it would fetch a kernel from the Hub, and falls back to its own, which QLoRA here is tested on.
 - transformers' FutureWarning "`is_gradient_checkpointing` is deprecated", which peft 0.21 triggers in every
   ``get_peft_model``: the framework never reads that property itself.
+- torch.distributed.checkpoint's "torch.distributed is disabled, unavailable or uninitialized, assuming the intent
+  is to save in a single process" (and load), at every checkpoint of a run of one process: that is the intent
+  (framework/backend/states.py), and torch says it even when told so.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import warnings
 
 LOGGED = {"accelerate.utils.other": "Removed shared tensor",
           "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
-WARNED = (FutureWarning, r"`is_gradient_checkpointing` is deprecated")
+WARNED = [(FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+          (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to")]
 
 
 class _Dropping(logging.Filter):
@@ -37,5 +41,5 @@ def silence() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Dropping) and f.text == text for f in logger.filters):
             logger.addFilter(_Dropping(text))
-    category, message = WARNED
-    warnings.filterwarnings("ignore", message=message, category=category)
+    for category, message in WARNED:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -19,7 +19,7 @@ from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
 from framework import (adapters, backend, checkpoint, disk, flops, harness, health, hub, memory, noise, report,
-                       run_data)
+                       resharding, run_data)
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.disk import write_json, write_text
 from framework.errors import UserError
@@ -72,6 +72,7 @@ class Run:
     memory_plan: Dict[str, object]
     model_flops: flops.ModelFlops
     peak_flops: Optional[float]  # all devices together, FLOP/s; None where the device's peak is unknown
+    replicas: int  # the data-parallel copies of the model (devices over the tensor-parallel size)
     compile_watch: backend.CompileWatch
     clock: Clock
     harness: Optional[harness.Harness]  # eval.harness's tasks, found and checked
@@ -110,11 +111,17 @@ def setup(cfg: RunConfig) -> Run:
             raise UserError("eval.harness.every_steps: on XLA the harness runs once, at the end, on a host copy of "
                             "the model (each request's new shape would compile a new graph); remove it")
         lm_harness = harness.Harness(cfg.eval.harness, cfg.seed)
-    if start.resume_from is not None:
-        checkpoint.check_devices(start.resume_from, accelerator.num_processes * mesh.devices)
+    replicas = backend.data_parallel(accelerator)[1] * mesh.devices
+    if start.resume_from is not None:  # on its layout, or on another with the same effective batch
+        here = layout(cfg, accelerator, mesh, replicas)
+        cfg, notes_resumed = checkpoint.resumed_layout(start.resume_from, here, cfg,
+                                                       lambda c: declared.check(c, backend.planned_strategy(c)))
+        notes += notes_resumed
+        data.cfg = cfg  # its loaders take the batch the layout keeps
+        train_step = declared.step(cfg)
+        accelerator.gradient_accumulation_steps = train_step.micro_batches_per_update
     set_seed(cfg.seed)  # before the model: a new model or head draws from the global RNG
     t = cfg.train
-    replicas = backend.data_parallel(accelerator)[1] * mesh.devices
     per_step = t.batch_size * t.gradient_accumulation_steps * replicas
     # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first(), backend.loading_whole_models(accelerator):
@@ -184,7 +191,16 @@ def setup(cfg: RunConfig) -> Run:
     return Run(cfg=cfg, accelerator=accelerator, mesh=mesh, model=model, tokenizer=tokenizer, task=task, data=data,
                train_step=train_step, update=update, total_steps=total_steps, start=start, plan=plan,
                memory_plan=memory_plan, model_flops=model_flops, peak_flops=peak * replicas if peak else None,
+               replicas=replicas,
                compile_watch=backend.CompileWatch(accelerator, expected_graphs), clock=Clock(), harness=lm_harness)
+
+
+def layout(cfg: RunConfig, accelerator: Accelerator, mesh: backend.Mesh, replicas: int) -> resharding.Layout:
+    """How this run splits its work (what a checkpoint records, and a resume compares)."""
+    return resharding.Layout(processes=accelerator.num_processes, devices=accelerator.num_processes * mesh.devices,
+                             replicas=replicas, strategy=backend.strategy_name(accelerator, mesh),
+                             batch_size=cfg.train.batch_size, accumulation=cfg.train.gradient_accumulation_steps,
+                             portable=backend.portable_states(accelerator), streaming=cfg.data.streaming)
 
 
 def _checked(problems: List[str], check, *args):
@@ -229,11 +245,6 @@ class Saves:
         several = self.run.accelerator.num_processes > 1
         with self.run.compile_watch.host_work() if several else nullcontext():
             stop, due = backend.any_process(self.run.accelerator, self.signals.signal is not None, due)
-        if backend.is_tensor_parallel(self.run.accelerator):  # no checkpoints (backend.selection._tensor_parallel_problem)
-            if stop:
-                raise checkpoint.Preempted(f"stopped by {self.signals.name} after step {state.step}; a tensor-"
-                                           "parallel run saves no checkpoint: it starts over when run again")
-            return
         if (stop or due) and self.saved_step != state.step:  # not saved at this step by every_steps already
             self.save(state, window)
         if stop:
@@ -322,9 +333,9 @@ def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
     unlogged = snapshot["loss_sum"] / snapshot["targets"] if snapshot["targets"] else None
     health.check_finite(run.accelerator, run.model, unlogged, state.step)  # never a non-finite checkpoint
     saved = dict(asdict(state), window=snapshot, tokens=state.tokens + window.totals()[0])
-    checkpoint.save(run.accelerator, Path(run.cfg.output_dir), saved, run.cfg.checkpoint.keep_last, state.best_step,
-                    recipe=to_dict(run.cfg), devices=run.accelerator.num_processes * run.mesh.devices,
-                    loader_state=run.data.loader_state())
+    checkpoint.save(run.accelerator, run.model, run.update.optimizer, Path(run.cfg.output_dir), saved,
+                    run.cfg.checkpoint.keep_last, state.best_step, recipe=to_dict(run.cfg),
+                    layout=layout(run.cfg, run.accelerator, run.mesh, run.replicas), loader_state=run.data.loader_state())
 
 
 def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWindow) -> None:
@@ -452,10 +463,12 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
         return None
 
     state, start = TrainState(), run.start
+    loading = time.perf_counter()
     if start.resume_from is not None:
-        state = TrainState(**checkpoint.load(acc, start.resume_from))
+        state = TrainState(**checkpoint.load(acc, run.model, run.update.optimizer, start.resume_from))
         run.data.resume(acc, start.resume_from)
         run.update.skip_counts = state.skipped_steps, state.skipped_in_a_row
+    loading = time.perf_counter() - loading
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         for folder in (out, out / "checkpoints"):  # what an earlier run stopped mid-write left
@@ -504,6 +517,7 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
             "tokens_per_second": (state.tokens - first_tokens) / fit_seconds,
             "wall_seconds": fit_seconds,
             "resumed_from_step": first_step or None,
+            "resume_load_seconds": loading if start.resume_from is not None else None,
             "stopped_early": state.stopped_early,
             "skipped_steps": state.skipped_steps if cfg.train.on_nonfinite == "skip" else None,
         },

@@ -114,6 +114,39 @@ def ddp_lm_run(tmp_path_factory, corpus, word_tokenizer, hf_home) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fsdp_lm_run(tmp_path_factory, corpus, word_tokenizer, hf_home):
+    """(output folder, arguments, process) of the language model's common run on 2 processes under
+    accelerate_configs/fsdp.yaml with the default strategy (auto): FSDP2, sharded checkpoints every 4 steps."""
+    from sharding import COMMON, launch
+
+    out = tmp_path_factory.mktemp("fsdp_lm") / "out"
+    args = lm_args(word_tokenizer, corpus, out, *COMMON)
+    return out, args, cli_runner(hf_home)(args, launch="fsdp.yaml", launch_args=launch())
+
+
+@pytest.fixture(scope="session")
+def llama_one_process(tmp_path_factory, hf_home, word_tokenizer, corpus) -> Path:
+    """The tiny Llama trained 12 steps by one process: tensor parallelism's reference, and QLoRA's base."""
+    from sharding import llama_args
+
+    out = tmp_path_factory.mktemp("llama") / "one"
+    assert run_main(llama_args(word_tokenizer, corpus, out), hf_home) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp_llama_run(tmp_path_factory, hf_home, word_tokenizer, corpus):
+    """(output folder, arguments, process) of the tiny Llama on 2 processes of tensor parallelism (both on the same
+    batches: the effective batch one process's), a checkpoint every 4 steps."""
+    from sharding import DDP_LAUNCH, launch, llama_args
+
+    out = tmp_path_factory.mktemp("tp_llama") / "out"
+    args = llama_args(word_tokenizer, corpus, out, "distributed.tensor_parallel=2", "checkpoint.every_steps=4",
+                      "checkpoint.keep_last=3")
+    return out, args, cli_runner(hf_home)(args, launch=DDP_LAUNCH, launch_args=launch())
+
+
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory, tiny_model, easy_data, hf_home) -> Path:
     """LAUNCHERS_RUN under `accelerate launch` with 2 processes on this machine, uninterrupted: what the launcher
     tests' runs (2 machines, Slurm jobs) must end with."""

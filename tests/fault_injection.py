@@ -7,7 +7,7 @@ Points:
 - ``micro``: a micro-batch's forward and backward (``framework.step.Update.micro_batch``, every task's step);
 - ``log``: a line of metrics.jsonl written (``Reporter.log``);
 - ``save``: inside a checkpoint's write, the state files written into its temporary folder but the manifest and
-  the rename not yet done (``framework.backend.save_state``);
+  the rename not yet done (``framework.backend.save_states``);
 - ``eval``: an evaluation (``framework.train.evaluate``; the last one comes before model/ and summary.json).
 
 Kinds: ``SIGKILL``, ``SIGTERM``; ``fill=R`` (a ballast file on the small filesystem ``disk`` leaves R bytes
@@ -28,7 +28,7 @@ from typing import Iterator
 
 BALLAST = ".ballast"
 POINTS = {"micro": ("framework.step", "Update.micro_batch"), "log": ("framework.report", "Reporter.log"),
-          "save": ("framework.backend", "save_state"), "eval": ("framework.train", "evaluate")}
+          "save": ("framework.backend", "save_states"), "eval": ("framework.train", "evaluate")}
 
 
 def parse(fault: str) -> tuple:

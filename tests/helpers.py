@@ -181,18 +181,14 @@ def lm_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
 
 
 def finite_checkpoints(out: Path) -> Dict[int, bool]:
-    """The step of each checkpoint, and whether every weight it holds is finite (safetensors; on XLA, the
+    """The step of each checkpoint, and whether every weight it holds is finite (its states/; on XLA, the
     pytorch_model.bin that xm.save writes)."""
-    from safetensors.torch import load_file
-
-    def tensors(file: Path) -> list:
-        loaded = load_file(file) if file.suffix == ".safetensors" else torch.load(file, weights_only=True)
-        return list(loaded.values())
-
     found = {}
     for folder in sorted((out / "checkpoints").glob("step_*")):
-        files = [*folder.rglob("*.safetensors"), *folder.rglob("pytorch_model*.bin")]
-        weights = [t for f in files for t in tensors(f)]
+        if (folder / "states").is_dir():
+            weights = list(checkpoint_states(folder)["model"].values())
+        else:
+            weights = [t for f in folder.rglob("pytorch_model*.bin") for t in torch.load(f, weights_only=True).values()]
         found[int(folder.name.split("_")[1])] = bool(weights) and all(torch.isfinite(t).all() for t in weights)
     return found
 
@@ -317,6 +313,18 @@ def weights(out: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(out / "model" / "model.safetensors")
+
+
+def checkpoint_states(folder: Path) -> Dict[str, dict]:
+    """A checkpoint's training state (framework/backend/states.py's DCP folder), read whole into this process:
+    ``{"model": {name: tensor}, "optimizer": {"state.<name>.<key>": tensor, "param_groups.<name>.<key>": value}}``."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder / "states", Path(tmp) / "states.pt")
+        return torch.load(Path(tmp) / "states.pt", weights_only=False)
 
 
 def assert_same_weights(a: Path, b: Path, rtol: float, atol: float) -> None:

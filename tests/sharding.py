@@ -10,7 +10,7 @@ from typing import List
 
 import torch
 
-from helpers import free_port, losses_by_step, weights
+from helpers import ROOT, free_port, losses_by_step, weights
 
 CUDA = torch.cuda.is_available()
 # The same tests on GPUs (make test-gpu, NCCL): the backend is the only difference. Bitwise comparisons need
@@ -30,6 +30,14 @@ COMMON = [BACKEND, "train.max_steps=12", "train.log_every=1", "checkpoint.every_
 # Relative figures mean nothing for weights near 0, so the bound is absolute: about 4 x the measured.
 WEIGHT_TOLERANCE = dict(rtol=1e-4, atol=2e-5)
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def llama_args(word_tokenizer: Path, corpus: Path, out: Path, *extra: str) -> List[str]:
+    """The tiny Llama (tests/tiny_llama.yaml: SmolLM2's shape, tied head; a tensor-parallel plan) on the documents,
+    12 steps."""
+    return ["--config", str(ROOT / "tests" / "tiny_llama.yaml"), f"model.tokenizer={word_tokenizer}",
+            f"data.train_file={corpus}", f"output_dir={out}", BACKEND, "train.max_steps=12", "train.log_every=1",
+            "train.cpu_threads=1", *extra]
 
 
 def launch(processes: int = 2) -> List[str]:

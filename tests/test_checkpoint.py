@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (KILL_SCRIPT, ROOT, RUN, assert_bitwise_equal_models, crash_then_resume, environment,
-                     losses_by_step, read_metrics, tiny_args)
+from helpers import (KILL_SCRIPT, ROOT, RUN, assert_bitwise_equal_models, checkpoint_states, crash_then_resume,
+                     environment, losses_by_step, read_metrics, tiny_args)
 from in_process import run_captured, run_main, train_ok
 
 # 16 steps of 5 per epoch (40 rows, 8 a step): the kill points below are mid-epoch in the third epoch, after step
@@ -80,14 +80,14 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(tiny_model, easy_data, hf_
     proc = subprocess.run([sys.executable, str(KILL_SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
                           env=environment(hf_home, KILL_AT_MICRO="13"), timeout=600)
     assert proc.returncode != 0
-    victim = out / "checkpoints" / "step_10" / "optimizer.bin"
+    victim = out / "checkpoints" / "step_10" / "states" / "__0_0.distcp"  # the weights and Adam's moments
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:100])
     else:
         victim.unlink()
     resumed = run_captured(args, hf_home)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"skipping checkpoint {out / 'checkpoints' / 'step_10'}: optimizer.bin is" in resumed.stdout
+    assert f"skipping checkpoint {out / 'checkpoints' / 'step_10'}: states/__0_0.distcp is" in resumed.stdout
     assert "resuming from" in resumed.stdout and "step_5" in resumed.stdout
     assert_bitwise_equal_models(whole, out)
 
@@ -123,8 +123,8 @@ def test_resume_refuses_a_finished_run(cli, tiny_model, easy_data, hf_home, tmp_
 
 
 def load_weights(path: Path) -> dict:
-    """A model's tensors from model/ (save_pretrained) or a checkpoint folder (accelerator.save_state)."""
-    return load_file(path / "model.safetensors")
+    """A model's tensors from model/ (save_pretrained) or a checkpoint folder (its states/)."""
+    return load_file(path / "model.safetensors") if path.name == "model" else checkpoint_states(path)["model"]
 
 
 @pytest.mark.parametrize("greater_is_better", [True, False], ids=["greater_is_better", "lower_is_better"])

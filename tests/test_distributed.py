@@ -57,8 +57,6 @@ def args(tiny_model, easy_data, tmp_path):
     # Tensor parallelism (trained for real by tests/test_fsdp.py): what it cannot be combined with, by key.
     ("distributed.tensor_parallel=2", "distributed.tensor_parallel: 2, but the launch started 1 process(es)"),
     ("distributed.tensor_parallel=2 distributed.strategy=fsdp", "(2D TP x FSDP) it is not supported here"),
-    ("distributed.tensor_parallel=2 checkpoint.every_steps=2", "accelerate's save_state cannot checkpoint a "
-                                                               "tensor-parallel model"),
     ("distributed.tensor_parallel=2 distributed.local_sgd_steps=2", "local SGD averages whole models"),
     ("distributed.tensor_parallel=2 peft.r=4", "peft's LoRA layers wrap the linear layers"),
 ])

@@ -3,9 +3,10 @@
 does, for every task: the task contract's matrix), each holding half of the weights, gradients and optimizer state
 (as the memory plan says); sharded checkpoints
 (torch.distributed.checkpoint) resume bitwise after SIGKILL; model/ is the full model in safetensors, loadable by
-pipeline(); a checkpoint refuses another process count by name. Tensor parallelism (accelerate's ParallelismConfig
-tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama; so do FSDP2 with activation
-checkpointing on that Llama (tied, as SmolLM2) and, what DDP does, QLoRA under FSDP2.
+pipeline() (resuming on another layout: tests/test_resharding.py). Tensor parallelism (accelerate's ParallelismConfig
+tp_size, transformers' plan) on 2 processes trains what one does, on a tiny Llama, and its checkpoints resume
+bitwise; so do FSDP2 with activation checkpointing on that Llama (tied, as SmolLM2) and, what DDP does, QLoRA under
+FSDP2.
 
 The tiny GPT-2 of tests/tiny_lm.yaml: its blocks are what FSDP wraps (transformer_based_wrap), its embedding
 is tied to the output layer."""
@@ -17,22 +18,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ROOT, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines, read_metrics,
-                     run_ok, summary, weights)
-from in_process import run_captured, train_ok
-from sharding import BACKEND, COMMON, CUDA, DDP_LAUNCH, WEIGHT_TOLERANCE, assert_trains_alike, into, launch
+from helpers import (ROOT, cli_runner, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines,
+                     read_metrics, run_ok, summary, weights)
+from in_process import train_ok
+from sharding import BACKEND, COMMON, CUDA, DDP_LAUNCH, WEIGHT_TOLERANCE, assert_trains_alike, into, launch, llama_args
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, corpus, word_tokenizer, cli_module):
-    """2 processes under accelerate_configs/fsdp.yaml with the default strategy (auto): FSDP2, sharded checkpoints."""
-    out = tmp_path_factory.mktemp("fsdp") / "out"
-    args = lm_args(word_tokenizer, corpus, out, *COMMON)
-    proc = cli_module(args, launch="fsdp.yaml", launch_args=launch())
-    return out, args, proc
+def fsdp_run(fsdp_lm_run):
+    """The common run under FSDP2 (tests/conftest.py's ``fsdp_lm_run``, which tests/test_resharding.py resumes too)."""
+    return fsdp_lm_run
 
 
 def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
@@ -91,27 +89,22 @@ def test_model_is_the_full_model_in_safetensors_loadable_by_pipeline(fsdp_run):
     assert generate("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("the cat")
 
 
-def test_sharded_checkpoint_resumes_bitwise_after_sigkill_and_refuses_another_process_count(
-        fsdp_run, hf_home, tmp_path, capsys):
+def test_sharded_checkpoint_resumes_bitwise_after_sigkill(fsdp_run, hf_home, tmp_path):
+    """The DCP states (framework/backend/states.py): each process writes its shards of the parameters and of the
+    optimizer's state, named by parameter; killed after step 8's checkpoint, the same command resumes bitwise.
+    (On another layout: tests/test_resharding.py.)"""
     out, args, _ = fsdp_run
-    step_8 = out / "checkpoints" / "step_8"
-    assert {p.name for p in step_8.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
-    assert {p.suffix for p in (step_8 / "pytorch_model_fsdp_0").iterdir()} == {".distcp", ""}  # shards, .metadata
+    states = out / "checkpoints" / "step_8" / "states"
+    assert {p.suffix for p in states.iterdir()} == {".distcp", ""}  # both processes' shards, and .metadata
+    assert len(list(states.glob("*.distcp"))) == 2
     resumed = tmp_path / "resumed"
-    resumed_args = into(args, resumed)
     # Killed at micro-batch 10 of each process: after step 8's checkpoint, mid-epoch.
-    proc = crash_then_resume(hf_home, resumed_args, 10, launch="fsdp.yaml", launch_args=launch())
+    proc = crash_then_resume(hf_home, into(args, resumed), 10, launch="fsdp.yaml", launch_args=launch())
     assert "resuming from" in proc.stdout and "step_8" in proc.stdout
     same_weights(resumed, out)
     if not CUDA:
         assert losses_by_step(resumed) == losses_by_step(out)
     assert summary(resumed)["train"]["resumed_from_step"] == 8
-
-    # One process cannot resume 2 processes' checkpoint (its data positions and effective batch): refused by name.
-    other = tmp_path / "one_process"
-    refused = run_captured(into(args, other) + [f"checkpoint.resume={step_8}"], hf_home)
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert f"checkpoint.resume: {step_8} was trained on 2 device(s)" in refused.stderr
 
 
 # ---------------------------------------------------------------- make test-slow: variants of the run above
@@ -166,7 +159,8 @@ def test_bf16_mixed_precision_policy(fsdp_run, cli_module, tmp_path):
 @pytest.mark.slow
 def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_run, cli_module, hf_home,
                                                                          corpus, word_tokenizer, tmp_path):
-    """distributed.fsdp.state_dict=full: the model and optimizer gathered into single files. With eval.metric
+    """distributed.fsdp.state_dict=full: the model and optimizer gathered and written whole, by the first process
+    (every tensor one chunk of the DCP states, which any layout loads as it loads shards). With eval.metric
     (here the highest loss: the first evaluation's, at step 4) model/ is the best model, saved from the shards
     when it was evaluated: the weights of the sharded run's step_4 checkpoint, read with torch's own converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -175,8 +169,11 @@ def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_r
             "eval.greater_is_better=true"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     cli_module(lm_args(word_tokenizer, corpus, whole, *full), launch="fsdp.yaml", launch_args=launch())
-    step_8 = whole / "checkpoints" / "step_8"
-    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= {p.name for p in step_8.iterdir()}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(whole / "checkpoints" / "step_8" / "states")).read_metadata()
+    chunks = [len(item.chunks) for item in metadata.state_dict_metadata.values() if hasattr(item, "chunks")]
+    assert chunks and set(chunks) == {1}  # whole tensors, not each process's shards
     assert summary(whole)["best"]["step"] == 4
     proc = crash_then_resume(hf_home, lm_args(word_tokenizer, corpus, resumed, *full), 10, launch="fsdp.yaml",
                              launch_args=launch())
@@ -187,7 +184,7 @@ def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_r
 
     sharded_run = fsdp_run[0]
     converted = tmp_path / "step_4.pt"
-    dcp_to_torch_save(sharded_run / "checkpoints" / "step_4" / "pytorch_model_fsdp_0", converted)
+    dcp_to_torch_save(sharded_run / "checkpoints" / "step_4" / "states", converted)
     at_step_4 = torch.load(converted, weights_only=True)["model"]
     best = weights(whole)
     for name, tensor in best.items():
@@ -302,22 +299,7 @@ def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(cli_module, corpus
 # ------------------------------------------------ the tiny Llama: tensor parallelism (make test), QLoRA (slow)
 
 
-def llama_args(word_tokenizer: Path, corpus: Path, out: Path, *extra: str) -> list:
-    return ["--config", str(ROOT / "tests" / "tiny_llama.yaml"), f"model.tokenizer={word_tokenizer}",
-            f"data.train_file={corpus}", f"output_dir={out}", BACKEND, "train.max_steps=12", "train.log_every=1",
-            "train.cpu_threads=1", *extra]
-
-
-@pytest.fixture(scope="module")
-def llama_one_process(tmp_path_factory, hf_home, word_tokenizer, corpus):
-    """The tiny Llama trained 12 steps by one process: tensor parallelism's reference, and QLoRA's base."""
-    out = tmp_path_factory.mktemp("llama") / "one"
-    train_ok(llama_args(word_tokenizer, corpus, out), hf_home)
-    return out
-
-
-def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module, corpus, word_tokenizer,
-                                                                      llama_one_process, tmp_path):
+def test_tensor_parallel_on_2_processes_trains_what_one_process_does(tp_llama_run, llama_one_process):
     """distributed.tensor_parallel=2: accelerate's ParallelismConfig(tp_size=2) (backend.build._tensor_parallel) and the tiny
     Llama sharded by transformers' own tensor-parallel plan (colwise q/k/v/gate/up, rowwise o/down, the vocabulary
     of the embedding and the head). The output layer is tied to the embedding (SmolLM2's, most small chat
@@ -330,9 +312,7 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     loads."""
     from transformers import pipeline
 
-    tp, one = tmp_path / "tp", llama_one_process
-    proc = cli_module(llama_args(word_tokenizer, corpus, tp, "distributed.tensor_parallel=2"), launch=DDP_LAUNCH,
-                      launch_args=launch())
+    (tp, _, proc), one = tp_llama_run, llama_one_process
     assert "strategy: tensor parallel (2 processes)" in proc.stdout and "effective_batch: 4" in proc.stdout
     assert len(losses_by_step(tp)) == 12
     assert_trains_alike(tp, one)  # each weight whole, not a shard: assert_close compares shapes too
@@ -351,6 +331,21 @@ def test_tensor_parallel_on_2_processes_trains_what_one_process_does(cli_module,
     text = pipeline("text-generation", model=str(tp / "model"), device="cpu")("the cat", max_new_tokens=3,
                                                                                do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat")
+
+
+def test_a_tensor_parallel_checkpoint_resumes_bitwise(tp_llama_run, hf_home, tmp_path):
+    """Each process writes its shards of the sharded matrices (DTensors) into the checkpoint's states; the run
+    resumed from step 4 on the same layout ends bitwise where the uninterrupted run ends."""
+    tp, args, _ = tp_llama_run
+    states = tp / "checkpoints" / "step_4" / "states"
+    assert len(list(states.glob("*.distcp"))) == 2
+    resumed = tmp_path / "resumed"
+    proc = cli_runner(hf_home)([*into(args, resumed), f"checkpoint.resume={states.parent}"], launch=DDP_LAUNCH,
+                               launch_args=launch())
+    assert f"resuming from {states.parent}: step 4" in proc.stdout
+    same_weights(resumed, tp)
+    if not CUDA:
+        assert losses_by_step(resumed) == {k: v for k, v in losses_by_step(tp).items() if k > 4}
 
 
 def test_fsdp2_with_activation_checkpointing_on_the_tied_llama_trains_what_one_process_does(

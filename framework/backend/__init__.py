@@ -11,7 +11,8 @@ a module of its own:
 - ops: the per-step device work (placing the model, clipping, device scalars, host reads)
 - generation: generating in the middle of training and back
 - compiles: XLA's compilations watched
-- saving: gathering state dicts and checkpoints
+- saving: gathering state dicts
+- states: a checkpoint's training state, in a form any topology loads (DCP)
 - hardware: the device's name, peak FLOP/s and memory
 - tracing: profiler traces
 - xla_spmd: XLA SPMD's device mesh
@@ -27,21 +28,22 @@ from framework.backend.layout import MemoryLayout, memory_layout
 from framework.backend.launch import backend_name, describe, notes, strategy_name
 from framework.backend.ops import (any_process, clip_gradients, place_model, preemption_check_interval,
                                    read_scalar, to_host, total_over_processes, unwrap, zero_scalar)
-from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, save_state, saving_gathered,
+from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, saving_gathered,
                                       state_dict_for_save)
 from framework.backend.selection import (Strategy, auto_precision, check, has_xla, model_checkpointing, planned_strategy,
                                         resolved_distributed, select_backend, strategy)
 from framework.backend.topology import (data_parallel, has_dtensor_parameters, is_fsdp2, is_tensor_parallel, is_zero3, needs_static_shapes, on_xla,
                                         parameter_shards, shards_parameters, tensor_parallel_size)
+from framework.backend.states import load as load_states, portable as portable_states, save as save_states
 from framework.backend.tracing import Trace
 from framework.backend.xla_spmd import Mesh
 
 __all__ = [
-    "CompileWatch", "MemoryLayout", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
+    "CompileWatch", "MemoryLayout", "load_states", "portable_states", "save_states", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
     "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "generation_ready", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
     "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "planned_strategy", "preemption_check_interval",
-    "read_scalar", "release", "resolved_distributed", "reuse_large_buffers", "save_state", "saving_gathered", "select_backend", "shards_parameters",
+    "read_scalar", "release", "resolved_distributed", "reuse_large_buffers", "saving_gathered", "select_backend", "shards_parameters",
     "state_dict_for_save", "strategy", "strategy_name", "tensor_parallel_model", "tensor_parallel_size", "to_host",
     "total_memory_bytes", "total_over_processes", "unwrap", "xla_stats", "zero_scalar",
 ]

@@ -15,12 +15,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def save_state(accelerator: Accelerator, folder: str) -> None:
-    """``accelerator.save_state``, on XLA in torch's format: accelerate loads a safetensors checkpoint through
-    safetensors' ``load_model``, which reads storage pointers that XLA tensors do not have (resume failed)."""
-    accelerator.save_state(folder, safe_serialization=not on_xla(accelerator))
-
-
 def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
                         mesh: xla_spmd.Mesh) -> Dict[str, torch.Tensor]:
     """The full state dict, on the CPU. Every process must call it (FSDP and DeepSpeed gather collectively);

@@ -222,11 +222,6 @@ def _tensor_parallel_problem(cfg: RunConfig, strategy_: str, xla: bool) -> Optio
                 "matrices would stay whole, outside the plan); remove the peft section or the key")
     if cfg.distributed.local_sgd_steps:
         return f"{key}: local SGD averages whole models over processes; remove distributed.local_sgd_steps"
-    c = cfg.checkpoint
-    if c.every_steps or c.every_epoch or c.every_minutes or c.resume not in ("auto", "never"):
-        return (f"{key}: accelerate's save_state cannot checkpoint a tensor-parallel model (safetensors fails on "
-                "its DTensor weights, and torch.save would write only the main process's shards); remove "
-                "checkpoint.every_steps, every_epoch, every_minutes and resume")
     return None
 
 

@@ -1,5 +1,7 @@
-"""Which recipe keys a resumed run may change: those that cannot change the weights it trains. Every other key
-changes the training trajectory, and a resume with a different value is refused (framework/checkpoint.py)."""
+"""Which recipe keys a resumed run may change: those that cannot change the weights it trains, and those of its
+layout (the strategy, the processes' share of the batch), which framework/resharding.py checks instead: a resume on
+another layout keeps the checkpoint's effective batch. Every other key changes the training trajectory, and a
+resume with a different value is refused (framework/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ from framework.config.schema import RunConfig
 RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "report.enabled", "report.every_minutes", "model.token",
                     "data.num_workers", "train.log_every", "train.eval_batch_size", "train.cpu_threads",
                     "train.profile_steps", "distributed.timeout_minutes", "checkpoint.every_steps",
-                    "checkpoint.every_epoch", "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume")
+                    "checkpoint.every_epoch", "checkpoint.every_minutes", "checkpoint.keep_last", "checkpoint.resume",
+                    # The layout: how the processes share the work (resharding.py keeps the effective batch).
+                    "distributed.strategy", "distributed.tensor_parallel", "distributed.num_processes",
+                    "train.batch_size", "train.gradient_accumulation_steps")
 # Free only while no metric picks the best model or stops early: then evaluation points decide the result.
 RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
-# The harness reads the model and leaves the random state alone: its keys never change what is trained.
-RESUME_FREE_PREFIXES = ("eval.harness",)
+# The harness reads the model and leaves the random state alone: its keys never change what is trained. The
+# strategies' own settings are the layout's.
+RESUME_FREE_PREFIXES = ("eval.harness", "distributed.fsdp.", "distributed.deepspeed.")
 
 
 def differences(old: Dict[str, Any], cfg: RunConfig) -> Tuple[List[str], List[str]]:

@@ -339,7 +339,7 @@ class DistributedConfig:
     """Tensor parallelism over this many processes, every launched one (accelerate's ParallelismConfig tp_size, the
     model sharded by transformers' tensor-parallel plan: Llama-style models, ``base_model_tp_plan``): each process
     holds 1/N of each attention and MLP matrix and all see the same batches. Not combinable with FSDP, DeepSpeed,
-    adapters, local SGD, XLA or checkpoints (framework/backend/selection.py says why for each)."""
+    adapters, local SGD or XLA (framework/backend/selection.py says why for each)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
