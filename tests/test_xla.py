@@ -305,6 +305,39 @@ def test_grpo_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
     assert not (out / "summary.json").exists()
 
 
+def test_the_generator_on_an_xla_device_draws_what_it_draws_on_the_cpu():
+    """framework/tasks/online_rl/generator.py with fixed shapes on the XLA device (tests/test_generator.py's tiny
+    Llama, prompts and seeds; its keyed noise drawn on the host): the CPU's completions and recorded log-
+    probabilities (within 1e-5), sampled and greedy; three graphs for the first sampled call (measured: two by the
+    end of the prefill, one decode step for all 16), one more for greedy decoding (its decode step), none for the
+    calls after."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from framework.tasks.online_rl.generator import Generator
+    from test_generator import PROMPTS, SEEDS, settings, tiny_llama
+
+    def compiles() -> int:
+        data = met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+    model, s = tiny_llama(), settings(top_k=5)
+    expected, greedy = Generator()(model, PROMPTS, SEEDS, s, logprobs=True), Generator()(model, PROMPTS, SEEDS, s,
+                                                                                          greedy=True)
+    model = model.to(torch_xla.device())
+    generate = Generator(static=True, prompt_slots=16, sync=torch_xla.sync)
+    counts = []
+    for _ in range(3):
+        out = generate(model, PROMPTS, SEEDS, s, logprobs=True)
+        assert out.completions == expected.completions
+        assert max(abs(a - b) for x, y in zip(out.logprobs, expected.logprobs) for a, b in zip(x, y)) <= 1e-5
+        counts.append(compiles())
+    for _ in range(2):
+        assert generate(model, PROMPTS, SEEDS, s, greedy=True).completions == greedy.completions
+        counts.append(compiles())
+    print(f"compiled graphs after each call: {counts}; decode steps {generate.timings.steps}")
+    assert counts[0] == counts[2] <= 3 and counts[3] == counts[4] <= counts[0] + 1, counts
+
 
 def test_a_diverging_run_on_xla_stops_before_writing_non_finite_weights(cli, word_tokenizer, corpus, tmp_path):
     """tests/test_faults.py's diverging run (lr 1e4, here a checkpoint every step, the last 2 kept) on XLA, where the
