@@ -29,8 +29,8 @@ own generator) without transformers' generation machinery, calling the model's f
   rows are masked rather than dropped, and every decode step is the same graph, ended by ``sync``; the host reads
   the stop flags every ``CHECK_EVERY`` steps and the tokens once, at the end, cutting at stop sequences there. The
   keyed noise is drawn on the host (XLA has no generators of its own) and moved to the device: the CPU's draws.
-  On an XLA device (tests/test_xla.py) the first sampled call compiles 3 graphs (2 by the end of the prefill, 1
-  decode step), greedy decoding 1 more (its decode step), and no later call any.
+  On an XLA device (tests/test_xla.py) the first sampled call compiles 2 graphs, the prefill and the decode
+  step, greedy decoding 1 more (its decode step), and no later call any.
 - Per row, optionally, the log-probability of each drawn token under the logits over the temperature, the
   distribution the loss's log-probabilities describe (tests/test_generator.py: a plain forward's of the whole
   sequence within 1e-5 on tiny models; on SmolLM2's 30 fp32 layers within 2.5e-5, as far as that forward is from

@@ -215,9 +215,8 @@ class OnlineRun(LanguageRun):
                                                  sync=lambda: backend.run_pending(accelerator))
         else:
             self.generator = generator.Generator()
-        # The step's generation (measured: 2 graphs by the end of the prefill, 1 decode step), evaluation's (3 more:
-        # its rows, greedy), the no-grad log-probabilities' pass.
-        self.compiled_graphs = 7 if self.static_generation else 0
+        # The step's prefill and decode step, evaluation's (its rows, greedy), the no-grad log-probabilities' pass.
+        self.compiled_graphs = 5 if self.static_generation else 0
         self.buckets = data.pad_lengths(cfg.data, static, task.sequence_length(cfg, None))
         g = self.settings = task.settings(cfg)
         self.section, self.seed, self.accelerator, self.reference = task.section, cfg.seed, accelerator, reference
