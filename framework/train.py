@@ -186,8 +186,9 @@ def setup(cfg: RunConfig) -> Run:
         "notes": (notes + backend.notes(cfg, accelerator) + start.notes + data.notes(declared)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
-    # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation.
-    expected_graphs = len(data.buckets or []) + 4
+    # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation, and the
+    # task's own (online RL's generation).
+    expected_graphs = len(data.buckets or []) + 4 + task.compiled_graphs
     return Run(cfg=cfg, accelerator=accelerator, mesh=mesh, model=model, tokenizer=tokenizer, task=task, data=data,
                train_step=train_step, update=update, total_steps=total_steps, start=start, plan=plan,
                memory_plan=memory_plan, model_flops=model_flops, peak_flops=peak * replicas if peak else None,
@@ -354,6 +355,9 @@ def _log_train(run: Run, reporter: Reporter, state: TrainState, window: LossWind
         record["mfu"] = closed.flops / closed.seconds / run.peak_flops
     if run.update.skips is not None:
         record["skipped_steps"] = state.skipped_steps
+    xla = backend.xla_stats(run.accelerator)
+    if xla is not None:  # the graphs compiled so far: flat after the first steps when the shapes are static
+        record["xla/compiles"] = xla["compiles"]
     reporter.log(record)
     health.check_finite(run.accelerator, None, closed.loss, state.step)  # logged, then the run stops
     reporter.show_speed(closed.loss, speed, record["tokens_per_second"])
@@ -450,6 +454,13 @@ def train(cfg: RunConfig, dry_run: bool = False, signals: Optional[Signals] = No
         backend.release(accelerator, finished)
 
 
+def _final_harness(run: Run, reporter: Reporter, state: TrainState, model: torch.nn.Module, summary: dict) -> None:
+    """The harness's figures at the last step (run now unless an evaluation there ran them), into the summary."""
+    if state.harness is None or state.harness["step"] != state.step:
+        _log_harness(run, reporter, state, model)
+    summary["harness"] = state.harness
+
+
 def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) -> Optional[Dict]:
     cfg, acc = run.cfg, run.accelerator
     out = Path(cfg.output_dir)
@@ -541,17 +552,20 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
         summary["xla"] = {**xla, "warning": run.compile_watch.warning,
                           "transfers_in_steps": run.compile_watch.transfers_in_steps}
     # Every process generates (the same greedy tokens), so sharded models (FSDP, DeepSpeed) run their
-    # collectives together; on XLA on a host copy (backend.generating), after the XLA figures.
-    with backend.generating(acc, run.model, run.mesh) as model:
+    # collectives together; on XLA after the XLA figures, on a host copy (backend.generating) unless the task
+    # generates with static shapes (then on the device, and the harness on a host copy of its own).
+    static = run.task.static_generation
+    with backend.generating(acc, run.model, run.mesh, static) as model:
         sample = run.task.sample(model, run.tokenizer, run.data.eval_ds)
         if sample is not None:
             summary["sample"] = sample
             if acc.is_main_process:
                 print(f"sample: {sample['prompt']!r} -> {sample['generated']!r}", flush=True)
-        if run.harness is not None:  # on the model the sample came from (on XLA: its host copy)
-            if state.harness is None or state.harness["step"] != state.step:
-                _log_harness(run, reporter, state, model)
-            summary["harness"] = state.harness
+        if run.harness is not None and not static:  # on the model the sample came from (on XLA: its host copy)
+            _final_harness(run, reporter, state, model, summary)
+    if run.harness is not None and static:
+        with backend.generating(acc, run.model, run.mesh) as model:
+            _final_harness(run, reporter, state, model, summary)
     wall = time.perf_counter() - started
     summary["wall_seconds"] = wall  # setup, the loop's parts and the finish (evaluation, saving) add up to it
     summary["time"] = {"setup": fit_start - started, **fit_time, "finish": wall - (fit_start - started) - fit_seconds}

@@ -172,6 +172,23 @@ def test_compiled_decode_keeps_one_graph_per_cache_shape():
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("top_k,greedy", [(0, False), (5, False), (0, True)])
+def test_fixed_shapes_draw_the_same(model, top_k, greedy):
+    """``static`` (XLA's fixed shapes, here on the CPU): prompts in fixed slots, the distinct prompts padded to a
+    power of two, stopped rows masked and every row stepped until all have stopped (read every 4 steps): the same
+    completions and recorded log-probabilities (within 1e-6) as the eager generator, and stop sequences cut alike."""
+    s = settings(temperature=0.7, top_k=top_k)
+    eager = Generator()(model, PROMPTS, SEEDS, s, greedy=greedy, logprobs=True)
+    static = Generator(static=True, prompt_slots=16)
+    out = static(model, PROMPTS, SEEDS, s, greedy=greedy, logprobs=True)
+    assert out.completions == eager.completions
+    assert max(abs(a - b) for x, y in zip(out.logprobs, eager.logprobs) for a, b in zip(x, y)) <= 1e-6
+    assert static.timings.steps == max(map(len, eager.completions)) == 16  # a row ran to the longest completion
+    sequence = max(eager.completions, key=len)[2:4]
+    assert (static(model, PROMPTS, SEEDS, s, greedy=greedy, stop_sequences=[sequence]).completions
+            == Generator()(model, PROMPTS, SEEDS, s, greedy=greedy, stop_sequences=[sequence]).completions)
+
+
 @pytest.mark.slow
 def test_inductor_compiled_decode_draws_the_same():
     """Inductor's compiled decode step (a minute to compile on 2 cores): the eager step's completions, log-

@@ -565,6 +565,18 @@ def test_generation_steps_must_divide_the_accumulation(hf_home, pair_tokenizer, 
     assert "grpo.generation_steps: 2 optimizer steps cannot share the generation's 1 micro-batches" in proc.stderr
 
 
+def test_xla_fsdp_is_refused_by_task(hf_home, pair_tokenizer, pair_data, tmp_path, monkeypatch):
+    """On XLA the step generates on the device, but not yet on a model xla_fsdp shards: refused before anything
+    loads (tests/test_xla.py trains one device and xla_spmd)."""
+    from framework.backend import selection
+
+    monkeypatch.setattr(selection, "has_xla", lambda: True)
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "backend=xla",
+                                  "distributed.strategy=xla_fsdp"), hf_home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "task: grpo does not run under distributed.strategy=xla_fsdp yet" in proc.stderr
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_path, seed):
     """The prompts end with a sentiment word; the reward is 1 for answering its verdict ('fresh' or 'rotten': one

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
                      assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints,
-                     grads, grpo_args, lm_args, packed_batch, read_metrics, review_conversations, segments, targets_of,
-                     tiny_args, tiny_causal_lm, train_losses, worst_gradient, TINY_LM)
+                     grads, grpo_args, lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments,
+                     targets_of, tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient, TINY_LM)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -296,14 +296,105 @@ def test_lora_on_xla_matches_the_cpu_and_4_bit_is_refused(cli, tiny_model, easy_
     assert "Traceback" not in proc.stderr
 
 
-def test_grpo_is_refused_by_key(cli, pair_tokenizer, pair_data, tmp_path):
-    """Generation makes a new shape per token: task grpo on XLA stops before training, naming the keys to change."""
-    out = tmp_path / "grpo"
-    proc = cli(grpo_args(pair_tokenizer, pair_data, out, "backend=xla"), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "task: grpo does not run on XLA yet" in proc.stderr and "backend=cpu or gpu" in proc.stderr
-    assert not (out / "summary.json").exists()
+# ---------------------------------------------------------------- online RL on XLA
 
+# The tests' GRPO and RLOO (tests/tiny_grpo.yaml, tests/tiny_rloo.yaml) with SGD, as the task contract takes them
+# (Adam would turn rounding-level gradient differences into steps of the learning rate's size), 8 steps, evaluated
+# every 4: from step 5 on every graph (the step's generation and update, the evaluation's greedy generation) exists.
+ONLINE_RL = ["train.max_steps=8", "optim.name=sgd", "optim.lr=0.5", "train.max_grad_norm=null", "eval.every_steps=4"]
+ONLINE_RL_ARGS = {"grpo": grpo_args, "rloo": rloo_args}
+SAME_DRAWS = ("reward", "reward_std", "completions/mean_length", "completions/min_length", "completions/max_length")
+
+
+def training_figures(out: Path, keys) -> dict:
+    return {r["step"]: tuple(r[k] for k in keys) for r in read_metrics(out) if "loss" in r}
+
+
+def evaluations(out: Path) -> dict:
+    """The greedy evaluations' mean rewards and prompts counted, by step."""
+    return {r["step"]: (r["eval_reward"], r["eval_prompts"]) for r in read_metrics(out) if "eval_reward" in r}
+
+
+@pytest.fixture(scope="module")
+def online_rl_on_cpu(tmp_path_factory, cli_module, pair_tokenizer, pair_data):
+    """The CPU run of each task the XLA runs compare with (one process, 4 prompts a step), run once."""
+    runs = {}
+
+    def run(task: str) -> Path:
+        if task not in runs:
+            runs[task] = tmp_path_factory.mktemp(f"{task}_cpu") / "out"
+            cli_module(ONLINE_RL_ARGS[task](pair_tokenizer, pair_data, runs[task], *ONLINE_RL, "backend=cpu"))
+        return runs[task]
+    return run
+
+
+@pytest.mark.parametrize("task,devices", [("grpo", 1),
+                                          pytest.param("grpo", 4, marks=pytest.mark.slow),  # SPMD: make test-slow
+                                          pytest.param("rloo", 1, marks=pytest.mark.slow)])
+def test_online_rl_on_xla_trains_what_the_cpu_trains(task, devices, online_rl_on_cpu, cli, pair_tokenizer, pair_data,
+                                                     tmp_path, monkeypatch):
+    """One XLA device, or SPMD over 4 (one prompt each), against one CPU process with the same 4 prompts a step:
+    the same completions drawn (the step's rewards and completion lengths equal at every step: the keyed sampling
+    draws its noise on the host, the CPU's streams), the same greedy evaluations, the weights within the XLA
+    tolerances; generation on the device itself with fixed shapes, so the compiled graphs stop growing once each
+    kind of step has run (counted at every log step) and stay few."""
+    cpu, out = online_rl_on_cpu(task), tmp_path / "xla"
+    extra = ["distributed.strategy=xla_spmd", "train.batch_size=1"] if devices > 1 else []
+    monkeypatch.setenv("CPU_NUM_DEVICES", str(devices))
+    proc = cli(ONLINE_RL_ARGS[task](pair_tokenizer, pair_data, out, *ONLINE_RL, "backend=xla", *extra))
+    assert devices == 1 or "xla spmd (batch sharded over 4 devices)" in proc.stdout
+    expected = training_figures(cpu, SAME_DRAWS)
+    assert len(expected) == 8 and len({v[0] for v in expected.values()}) > 3  # rewards that move
+    assert summary(out)["backend"] == "xla"
+    assert training_figures(out, SAME_DRAWS) == expected
+    # 20 prompts in batches of 8: XLA's last batch filled with 4 copies, left out of the figures.
+    assert evaluations(out) == evaluations(cpu) and [n for _, n in evaluations(cpu).values()] == [20, 20]
+    assert_same_weights(out, cpu, rtol=1e-4, atol=1e-5)
+    compiles, xla = training_figures(out, ("xla/compiles",)), summary(out)["xla"]
+    on_cpu = weights(cpu)
+    worst = max(float((w - on_cpu[name]).abs().max()) for name, w in weights(out).items())
+    print(f"{task} on {devices} device(s): compiles by step {[c for (c,) in compiles.values()]}, in all "
+          f"{xla['compiles']} ({xla['compile_seconds']:.0f} s); transfers in steps {xla['transfers_in_steps']}; "
+          f"weights at most {worst:.1e} from the CPU's; wall {summary(out)['train']['wall_seconds']:.1f} s "
+          f"(CPU {summary(cpu)['train']['wall_seconds']:.1f} s)")
+    assert len({compiles[step] for step in range(5, 9)}) == 1, compiles  # none after step 4
+    assert xla["compiles"] <= 12 and xla["warning"] is None, xla
+
+
+def test_the_generator_on_an_xla_device_draws_what_it_draws_on_the_cpu():
+    """framework/tasks/online_rl/generator.py with fixed shapes on the XLA device (tests/test_generator.py's tiny
+    Llama, prompts and seeds; its keyed noise drawn on the host), with the mask builders a run on XLA registers
+    (backend.build): the CPU's completions and recorded log-probabilities (within 1e-5), sampled and greedy; the
+    first sampled call compiles two graphs, the prefill and the decode step (its 16 steps), greedy decoding one
+    more (its decode step), and the calls after none."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from framework.backend import build
+    from framework.tasks.online_rl.generator import Generator
+    from test_generator import PROMPTS, SEEDS, settings, tiny_llama
+
+    def compiles() -> int:
+        data = met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+    model, s = tiny_llama(), settings(top_k=5)
+    expected, greedy = Generator()(model, PROMPTS, SEEDS, s, logprobs=True), Generator()(model, PROMPTS, SEEDS, s,
+                                                                                          greedy=True)
+    build._masks_without_host_reads()  # else transformers reads the mask in the prefill: a graph cut in two
+    model = model.to(torch_xla.device())
+    generate = Generator(static=True, prompt_slots=16, sync=torch_xla.sync)
+    counts = []
+    for _ in range(3):
+        out = generate(model, PROMPTS, SEEDS, s, logprobs=True)
+        assert out.completions == expected.completions
+        assert max(abs(a - b) for x, y in zip(out.logprobs, expected.logprobs) for a, b in zip(x, y)) <= 1e-5
+        counts.append(compiles())
+    for _ in range(2):
+        assert generate(model, PROMPTS, SEEDS, s, greedy=True).completions == greedy.completions
+        counts.append(compiles())
+    print(f"compiled graphs after each call: {counts}; decode steps {generate.timings.steps}")
+    assert counts == [2, 2, 2, 3, 3] and generate.timings.steps == 16, counts
 
 
 def test_a_diverging_run_on_xla_stops_before_writing_non_finite_weights(cli, word_tokenizer, corpus, tmp_path):

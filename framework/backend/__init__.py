@@ -27,7 +27,7 @@ from framework.backend.hardware import peak_flops, peak_memory_bytes, total_memo
 from framework.backend.layout import MemoryLayout, memory_layout
 from framework.backend.launch import backend_name, describe, notes, strategy_name
 from framework.backend.ops import (any_process, clip_gradients, place_model, preemption_check_interval,
-                                   read_scalar, to_host, total_over_processes, unwrap, zero_scalar)
+                                   read_scalar, run_pending, to_host, total_over_processes, unwrap, zero_scalar)
 from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, saving_gathered,
                                       state_dict_for_save)
 from framework.backend.selection import (Strategy, auto_precision, check, has_xla, model_checkpointing, planned_strategy,
@@ -43,7 +43,7 @@ __all__ = [
     "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "generation_ready", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
     "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "planned_strategy", "preemption_check_interval",
-    "read_scalar", "release", "resolved_distributed", "reuse_large_buffers", "saving_gathered", "select_backend", "shards_parameters",
+    "read_scalar", "release", "run_pending", "resolved_distributed", "reuse_large_buffers", "saving_gathered", "select_backend", "shards_parameters",
     "state_dict_for_save", "strategy", "strategy_name", "tensor_parallel_model", "tensor_parallel_size", "to_host",
     "total_memory_bytes", "total_over_processes", "unwrap", "xla_stats", "zero_scalar",
 ]

@@ -20,13 +20,17 @@ GENERATE_REGISTERED = "_framework_fsdp_generate"  # set on an FSDP2 root whose g
 
 
 @contextmanager
-def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> Iterator[torch.nn.Module]:
+def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh,
+               static_shapes: bool = False) -> Iterator[torch.nn.Module]:
     """The model to generate with, as a context: on exit the trained model is as training left it (on its device,
     sharded as it was, in its training mode), so training can go on bitwise as if nothing had been generated.
 
-    - XLA: a copy on the host CPU. Generating token by token makes a new shape, so a new compiled graph, per token
-      (minutes even for a tiny model); moving the model itself there and back would make new parameter objects,
-      leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards.
+    - XLA, ``static_shapes`` (the caller generates with fixed shapes: online RL's generator): the model itself, on
+      its device (under xla_spmd replicated on every device).
+    - XLA otherwise: a copy on the host CPU. Generating token by token makes a new shape, so a new compiled graph,
+      per token (minutes even for a tiny model); moving the model itself there and back would make new parameter
+      objects, leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards (always: the
+      wrapped model runs only sharded).
     - FSDP2: ``generate`` registered as a forward of the root (torch's ``register_fsdp_forward_method``), so that
       it gathers the weights the root holds outside the wrapped blocks (embeddings, final norm) and reshards them
       after, as the root's forward does: a peft model's ``generate()`` bypasses that forward (it calls the inner
@@ -39,7 +43,7 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
         yield mesh.host_model(accelerator.unwrap_model(model))
         return
     inner = unwrap(accelerator, model, mesh)
-    if on_xla(accelerator):
+    if on_xla(accelerator) and not static_shapes:
         yield _host_copy(inner)
         return
     training = inner.training

@@ -58,8 +58,9 @@ def unwrap(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh
     return mesh.unwrap(accelerator.unwrap_model(model))
 
 
-def _run_pending_graph(accelerator: Accelerator) -> None:
-    """On XLA, execute the lazily traced ops now, so what is read next is already computed."""
+def run_pending(accelerator: Accelerator) -> None:
+    """On XLA, execute the lazily traced ops now, so what is read next is already computed (and what is traced
+    next starts a new graph); nothing elsewhere."""
     if on_xla(accelerator):
         import torch_xla
 
@@ -83,7 +84,7 @@ def total_over_processes(accelerator: Accelerator, count):
 def read_scalar(accelerator: Accelerator, tensor: torch.Tensor, reduction: str) -> float:
     """Host sync: the value of a device scalar, reduced over processes. On XLA the pending step graph runs
     first (the same graph as every other step), so the read only transfers data and compiles nothing."""
-    _run_pending_graph(accelerator)
+    run_pending(accelerator)
     if accelerator.num_processes > 1:
         tensor = accelerator.reduce(tensor, reduction=reduction)
     return tensor.item()
@@ -93,7 +94,7 @@ def to_host(accelerator: Accelerator, tensors: List[torch.Tensor]) -> list:
     """Device tensors as NumPy arrays after a single sync (on XLA, joining them on the device would
     compile yet another graph; a tensor sharded under SPMD is assembled from its shards, since its ``.cpu()``
     compiles a graph every time)."""
-    _run_pending_graph(accelerator)
+    run_pending(accelerator)
     if on_xla(accelerator):
         return [xla_spmd.on_host(t).numpy() for t in tensors]
     return [t.cpu().numpy() for t in tensors]

@@ -23,9 +23,9 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
     if mesh.shard_parameters:
         return mesh.state_dict(accelerator.unwrap_model(model))
     state_dict = accelerator.get_state_dict(model)
-    if on_xla(accelerator):
+    if on_xla(accelerator):  # each tensor its own host copy: tied weights are no longer one tensor
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
-    if state_dict is not None and (has_dtensor_parameters(accelerator)
+    if state_dict is not None and (has_dtensor_parameters(accelerator) or on_xla(accelerator)
                                    or accelerator.distributed_type == "DEEPSPEED"):  # ZeRO-3: None but on the first
         state_dict = _without_tied_copies(accelerator.unwrap_model(model), state_dict)
     if is_tensor_parallel(accelerator):  # DTensor shards, gathered whole on every process

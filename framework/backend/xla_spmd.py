@@ -69,8 +69,8 @@ class Mesh:
             import torch_xla
             import torch_xla.distributed.spmd as xs
 
-            for tensor in batch.values():
-                if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+            for tensor in batch.values():  # online RL's prompt batches hold lists too
+                if torch.is_tensor(tensor) and not torch_xla._XLAC._get_xla_sharding_spec(tensor):
                     xs.mark_sharding(tensor, self.xla_mesh, self._batch_spec(tensor))
         return batch
 
@@ -190,6 +190,7 @@ def on_host(t):
         return t
     if not torch_xla._XLAC._get_xla_sharding_spec(t):
         return t.cpu()
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])  # its shards are read directly: the graph making them is done
     shards = torch_xla._XLAC._get_local_shards([t])[0]
     places = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
     full = torch.empty(t.shape, dtype=t.dtype)

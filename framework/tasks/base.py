@@ -112,6 +112,13 @@ class TaskRun:
     """A task bound to one run (``Task.bind``): its loss and evaluation, with the run's settings and whatever it holds
     beside the trained model. The step, the evaluation and the memory plan call it; ``task`` is its declaration."""
 
+    # Whether its generation (the step's, the sample's) keeps shapes static, so that on XLA it runs on the device
+    # itself rather than on a host copy (backend.generating's ``static_shapes``): online RL's generator.
+    static_generation = False
+    # XLA graphs its own work compiles beside the training step's (CompileWatch's expectation): online RL's
+    # generation, in the step and in evaluation.
+    compiled_graphs = 0
+
     def __init__(self, task: Task, cfg):
         self.task, self.cfg = task, cfg
 

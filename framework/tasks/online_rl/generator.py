@@ -24,6 +24,13 @@ own generator) without transformers' generation machinery, calling the model's f
   Off by default, as it does not pay here: on SmolLM2-135M with LoRA (2 shared CPU cores) inductor took 138 s to
   compile the step (about 20 s from its cache) for 1.23x faster decode steps (42 ms saved a step: it pays after
   some 3,300 steps, 220 of the recipe's GRPO steps), and its fused kernels moved the log-probabilities by 1.7e-5.
+- Fixed shapes (``static``: XLA, where every new shape is another compiled graph): the prompts take a fixed
+  number of slots (online RL's: ``data.max_length``), the distinct prompts are padded to a power of two, stopped
+  rows are masked rather than dropped, and every decode step is the same graph, ended by ``sync``; the host reads
+  the stop flags every ``CHECK_EVERY`` steps and the tokens once, at the end, cutting at stop sequences there. The
+  keyed noise is drawn on the host (XLA has no generators of its own) and moved to the device: the CPU's draws.
+  On an XLA device (tests/test_xla.py) the first sampled call compiles 2 graphs, the prefill and the decode
+  step, greedy decoding 1 more (its decode step), and no later call any.
 - Per row, optionally, the log-probability of each drawn token under the logits over the temperature, the
   distribution the loss's log-probabilities describe (tests/test_generator.py: a plain forward's of the whole
   sequence within 1e-5 on tiny models; on SmolLM2's 30 fp32 layers within 2.5e-5, as far as that forward is from
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +57,7 @@ from transformers import DynamicCache, StaticCache
 from framework.tasks.online_rl.sampling import KeyedSampling, Sampling, left_padded
 
 SMALLEST_BUCKET = 64  # prompt slots of the cache: at least this many, else the next power of two
+CHECK_EVERY = 4  # fixed shapes: decode steps between two reads of the stop flags by the host
 
 
 def bucket(longest_prompt: int) -> int:
@@ -87,11 +95,20 @@ def next_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
 class Generator:
     """Generates as ``sampling.generate`` does (module docstring). ``compile``: the ``torch.compile``
     backend of the decode step ("inductor"; its first call per cache shape compiles it; the instance keeps the
-    compiled step across calls), None: eager."""
+    compiled step across calls), None: eager.
 
-    def __init__(self, compile: Optional[str] = None):
+    ``static``: fixed shapes (XLA, where each new shape is a new compiled graph; module docstring): the prompts
+    take ``prompt_slots`` slots (default: their bucket), the distinct prompts are padded to a power of two, stopped
+    rows are masked, and each decode step is the same computation on the device (``sync`` ends it: XLA's
+    ``torch_xla.sync``, so that every step is one graph, compiled once); the host reads the stop flags every
+    ``check_every`` steps, and the tokens once, at the end."""
+
+    def __init__(self, compile: Optional[str] = None, static: bool = False, prompt_slots: Optional[int] = None,
+                 check_every: int = CHECK_EVERY, sync: Optional[Callable[[], None]] = None):
         self.compiled = compile is not None
         self.step = torch.compile(next_logits, backend=compile, dynamic=False) if compile else next_logits
+        self.static, self.prompt_slots, self.check_every = static, prompt_slots, check_every
+        self.sync = sync or (lambda: None)
         self.timings = Timings()
 
     def __call__(self, model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[int], sampling: Sampling,
@@ -104,6 +121,9 @@ class Generator:
         # no_grad, not inference_mode: a sharded model's first forward may be this one, and tensors it makes
         # under inference_mode (FSDP2's unsharded parameters) could never be used by autograd after.
         with torch.no_grad():
+            if self.static:
+                return self._generate_static(model, prompts, seeds, sampling, greedy,
+                                             [list(s) for s in stop_sequences], logprobs)
             return self._generate(model, prompts, seeds, sampling, greedy, synced,
                                   [list(s) for s in stop_sequences], logprobs)
 
@@ -154,19 +174,82 @@ class Generator:
         self.timings.decode, self.timings.steps = time.perf_counter() - start, steps
         return Generated(completions, recorded)
 
+    def _generate_static(self, model, prompts, seeds, sampling: Sampling, greedy: bool,
+                         stop_sequences: List[List[int]], logprobs: bool) -> Generated:
+        """Fixed shapes (the class docstring): every row steps until all have stopped (checked every
+        ``check_every`` steps) or ``max_new_tokens``; a stopped row's later tokens are padding, and the stop
+        sequences are cut on the host at the end (a row's tokens before one do not depend on what follows)."""
+        device = next(model.parameters()).device
+        rows, new, pad = len(prompts), sampling.max_new_tokens, sampling.pad_id
+        longest = max(len(p) for p in prompts)
+        slots = self.prompt_slots or bucket(longest)
+        if longest > slots:
+            raise ValueError(f"the generator: a prompt of {longest} tokens, longer than its {slots} slots")
+        start = time.perf_counter()
+        logits, cache = self._prefill(model, prompts, pad, slots, slots + new, device, static=True)
+        lengths = torch.tensor([len(p) for p in prompts]).to(device)
+        attention_mask = (torch.arange(slots + new).to(device) >= slots - lengths[:, None]).long()
+        position_ids = lengths[:, None]
+        # On the host where the device has no generators of its own: the draws are the CPU's (sampling.py).
+        sampler = None if greedy else KeyedSampling(sampling, seeds, device if device.type in ("cpu", "cuda")
+                                                    else torch.device("cpu"))
+        stop_ids = torch.tensor(list(sampling.stop_ids)).to(device)
+        tokens_out = torch.full((rows, new), pad).to(device)
+        logps_out = torch.zeros(rows, new).to(device) if logprobs else None
+        done = torch.zeros(rows, dtype=torch.bool).to(device)
+        columns, step = torch.arange(new).to(device), torch.zeros(1, dtype=torch.long).to(device)
+        self.sync()
+        self.timings = Timings(prefill=time.perf_counter() - start)
+        start, steps = time.perf_counter(), 0
+        while steps < new:
+            tokens = (logits if sampler is None else sampler.noised(logits)).argmax(dim=-1)
+            here = columns[None, :] == step  # this step's column of the outputs
+            if logps_out is not None:
+                logp = torch.log_softmax(logits / sampling.temperature, dim=-1).gather(1, tokens[:, None])
+                logps_out = torch.where(here & ~done[:, None], logp, logps_out)
+            tokens = torch.where(done, pad, tokens)
+            tokens_out = torch.where(here, tokens[:, None], tokens_out)
+            done = done | (tokens[:, None] == stop_ids[None, :]).any(dim=1)
+            finished, step = done.all(), step + 1
+            # Every step runs the model, the last one too (its logits unused): one graph for every step.
+            logits = self.step(model, tokens[:, None], position_ids, attention_mask, cache)
+            position_ids = position_ids + 1
+            self.sync()
+            steps += 1
+            if steps % self.check_every == 0 and steps < new and bool(finished.item()):
+                break
+        rows_out = tokens_out.cpu().tolist()
+        recorded = logps_out.cpu().tolist() if logps_out is not None else None
+        self.timings.decode, self.timings.steps = time.perf_counter() - start, steps
+        completions = [self._cut(row[:steps], set(sampling.stop_ids), stop_sequences) for row in rows_out]
+        return Generated(completions, [r[:len(c)] for r, c in zip(recorded, completions)] if recorded else None)
+
     @staticmethod
-    def _prefill(model, prompts, pad_id: int, slots: int, length: int, device) -> Tuple[torch.Tensor, StaticCache]:
+    def _cut(tokens: List[int], stops, stop_sequences: List[List[int]]) -> List[int]:
+        """A row's tokens through its first stop token or the end of its first stop sequence (all where none)."""
+        for end in range(1, len(tokens) + 1):
+            if tokens[end - 1] in stops or any(end >= len(s) and tokens[end - len(s):end] == s for s in stop_sequences):
+                return tokens[:end]
+        return tokens
+
+    @staticmethod
+    def _prefill(model, prompts, pad_id: int, slots: int, length: int, device,
+                 static: bool = False) -> Tuple[torch.Tensor, StaticCache]:
         """The distinct prompts' forward (left-padded to the longest, with ``model.generate``'s positions): each
         row's next-token logits, and a static cache of (rows, ``length``) slots holding row i's prompt in the
-        slots just before ``slots``, the next slot to write ``slots``."""
+        slots just before ``slots``, the next slot to write ``slots``. ``static``: the prompts left-padded to
+        ``slots``, their number to a power of two (copies of the first), so that the shapes are the bucket's."""
         distinct: Dict[Tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # each row's distinct prompt
-        input_ids, attention_mask = left_padded([list(p) for p in distinct], pad_id)
+        unique = [list(p) for p in distinct]
+        if static:
+            unique += unique[:1] * ((1 << (len(unique) - 1).bit_length()) - len(unique))
+        input_ids, attention_mask = left_padded(unique, pad_id, slots if static else None)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         prefill = DynamicCache(config=model.config)
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                     position_ids=position_ids.to(device), cache=prefill, use_cache=True, logits_to_keep=1)
-        index = torch.tensor(source, device=device)
+        index = torch.tensor(source).to(device)
         prefill.reorder_cache(index)  # each row's copy of its prompt's keys and values
         cache = StaticCache(config=model.config, max_cache_len=length)
         if any(layer.is_sliding for layer in cache.layers):  # a window's slots wrap around: not this layout

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import datasets
 import torch
@@ -71,10 +71,11 @@ def prepare_prompts(ds, tokenizer, column: str, length: int, key: str):
 class PromptCollator:
     """Prompts -> a batch: their token ids (unpadded: the step pads every completion of the step together), their
     keys, the epoch (``set_epoch``; with the key, what seeds the sampling) and the rows' other columns for the
-    reward functions."""
+    reward functions. ``rows`` (evaluation on static shapes): a short last batch filled up to ``rows`` with copies
+    of its first prompt, a ``valid`` column marking the real ones (framework/data.py's ``fill_rows``)."""
 
-    def __init__(self):
-        self.epoch = 0
+    def __init__(self, rows: Optional[int] = None):
+        self.epoch, self.rows = 0, rows
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -84,8 +85,12 @@ class PromptCollator:
         return {k: v for k, v in feature.items() if k not in (PROMPT_IDS, INDEX)}
 
     def __call__(self, features: List[Dict]) -> Dict:
-        return {"prompt_ids": [f[PROMPT_IDS] for f in features], "index": [f[INDEX] for f in features],
-                "epoch": self.epoch, "rows": [self.columns(f) for f in features]}
+        features, real = data.fill_rows(features, self.rows)
+        batch = {"prompt_ids": [f[PROMPT_IDS] for f in features], "index": [f[INDEX] for f in features],
+                 "epoch": self.epoch, "rows": [self.columns(f) for f in features]}
+        if self.rows is not None:
+            batch["valid"] = torch.arange(self.rows) < real
+        return batch
 
 
 def generation_batch(batches: List[Dict], group: int, seed: int) -> Tuple[List[List[int]], List[int]]:
@@ -98,11 +103,11 @@ def generation_batch(batches: List[Dict], group: int, seed: int) -> Tuple[List[L
 
 
 def rollout_batch(prompts: List[List[int]], completions: List[List[int]], trained: List[bool], pad_id: int,
-                  device) -> Dict[str, torch.Tensor]:
+                  device, buckets: Optional[List[int]] = None) -> Dict[str, torch.Tensor]:
     """One micro-batch of rollouts: each prompt followed by its completion, right-padded (positions 0..n-1, as
-    generation had them), the completion's tokens the targets (``trained``: False leaves a completion out of the
-    loss)."""
-    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    generation had them) to the longest or, with ``buckets`` (static shapes), to the smallest bucket that holds it;
+    the completion's tokens the targets (``trained``: False leaves a completion out of the loss)."""
+    longest = data.padded_length(max(len(p) + len(c) for p, c in zip(prompts, completions)), buckets)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
     labels = torch.full((len(prompts), longest), IGNORE, dtype=torch.long)

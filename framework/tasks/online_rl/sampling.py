@@ -59,7 +59,11 @@ def row_seed(*key: int) -> int:
 
 class KeyedSampling(LogitsProcessor):
     """The last logits processor of a greedy ``generate``: warps the scores (temperature, top-k, top-p) and adds
-    Gumbel noise from each row's own generator, so that the argmax ``generate`` takes is a sample."""
+    Gumbel noise from each row's own generator, so that the argmax ``generate`` takes is a sample.
+
+    ``device``: where the generators draw. A row's stream depends on it (a CUDA generator's differs from the CPU's),
+    so a backend without generators of its own (XLA) draws on the host, ``torch.device("cpu")``, the CPU's stream,
+    and the noise is moved to the scores' device: the same draws as on the CPU."""
 
     def __init__(self, sampling: Sampling, seeds: Sequence[int], device: torch.device):
         self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
@@ -72,17 +76,25 @@ class KeyedSampling(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return self.noised(scores)
 
-    def noised(self, scores: torch.FloatTensor, rows: Optional[Sequence[int]] = None) -> torch.FloatTensor:
-        """The warped log-probabilities plus Gumbel noise, row by row from the generators of ``rows`` (which
-        row of the batch each of ``scores`` is; default: all, in order). A generator only advances when its row
-        is drawn: framework/generator.py draws for the rows that have not stopped."""
+    def warped(self, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """The sampling distribution's log-probabilities: -inf where the warpers removed a token."""
         for warper in self.warpers:
             scores = warper(None, scores)  # the warpers read the scores only
-        logp = torch.log_softmax(scores.float(), dim=-1)  # -inf where the warpers removed a token
+        return torch.log_softmax(scores.float(), dim=-1)
+
+    def gumbel(self, vocabulary: int, rows: Optional[Sequence[int]] = None) -> torch.FloatTensor:
+        """Gumbel(0, 1) noise, a row of ``vocabulary`` values from each generator of ``rows`` (default: all, in
+        order), on the generators' device. A generator advances only when its row is drawn."""
         generators = self.generators if rows is None else [self.generators[r] for r in rows]
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in generators])
+        uniform = torch.stack([torch.rand(vocabulary, generator=g, device=g.device) for g in generators])
         tiny = torch.finfo(uniform.dtype).tiny
-        return logp - torch.log(-torch.log(uniform.clamp(min=tiny)))
+        return -torch.log(-torch.log(uniform.clamp(min=tiny)))
+
+    def noised(self, scores: torch.FloatTensor, rows: Optional[Sequence[int]] = None) -> torch.FloatTensor:
+        """The warped log-probabilities plus Gumbel noise, row by row from the generators of ``rows`` (which
+        row of the batch each of ``scores`` is; default: all, in order): framework/tasks/online_rl/generator.py
+        draws for the rows that have not stopped."""
+        return self.warped(scores) + self.gumbel(scores.shape[-1], rows).to(scores.device)
 
 
 @contextmanager
@@ -118,9 +130,10 @@ def generate(model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[i
     return cut_at_stops(out[:, input_ids.shape[1]:].tolist(), sampling.stop_ids)
 
 
-def left_padded(prompts: List[List[int]], pad_id: int):
-    """(input_ids, attention_mask) of prompts left-padded to the longest: every row's next token is at the end."""
-    longest = max(len(ids) for ids in prompts)
+def left_padded(prompts: List[List[int]], pad_id: int, width: Optional[int] = None):
+    """(input_ids, attention_mask) of prompts left-padded to the longest (or to ``width``): every row's next token
+    is at the end."""
+    longest = width or max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
     for i, ids in enumerate(prompts):

@@ -80,7 +80,7 @@ class OnlineStep:
         acc, g, algorithm = ctx.accelerator, self.settings, self.algorithm
         group = g.num_generations
         prompts, seeds = generation_batch(batches, group, run.seed)
-        with backend.generating(acc, ctx.model, ctx.mesh) as model:
+        with backend.generating(acc, ctx.model, ctx.mesh, run.static_generation) as model:
             completions = run.generate(model, prompts, seeds)
         per_function = run.rewards.score_together(
             [row for batch in batches for row in batch["rows"] for _ in range(group)], completions)
@@ -97,8 +97,9 @@ class OnlineStep:
         rollouts, start = [], 0
         for batch in batches:
             end = start + len(batch["prompt_ids"]) * group
-            rollouts.append(rollout_batch(prompts[start:end], completions[start:end], trained[start:end],
-                                          run.sampling.pad_id, acc.device))
+            rollouts.append(ctx.mesh.shard_batch(rollout_batch(
+                prompts[start:end], completions[start:end], trained[start:end], run.sampling.pad_id, acc.device,
+                run.buckets)))
             start = end
         with torch.no_grad():
             for r in rollouts:
@@ -106,10 +107,12 @@ class OnlineStep:
                     r["old"] = run.logprobs(ctx.model, r)  # the ratio's denominator, before any update
                 if g.beta > 0:
                     r["ref"] = run.reference_logprobs(ctx.model, r)
+        backend.run_pending(acc)  # XLA: those passes as a graph of their own, before advantages may read them
         advantage, metrics = algorithm.advantages(rewards, every_reward, rollouts, gather)
         start = 0
         for r in rollouts:
             r["advantages"] = advantage[start:start + r["input_ids"].shape[0]].to(acc.device)
+            ctx.mesh.shard_batch(r)
             start += r["input_ids"].shape[0]
         metrics.update(reward_metrics(everything, every_reward, run, algorithm.std_scope))
 
@@ -132,7 +135,8 @@ class OnlineStep:
 
                 loss = loss + ctx.update.micro_batch(loss_of, scale)
         reduced = acc.reduce(sums, reduction="sum") if acc.num_processes > 1 else sums
-        metrics.update(algorithm.metrics(reduced.tolist()))
+        # XLA: the updates run as the step's graph first, then their sums are read (backend.to_host).
+        metrics.update(algorithm.metrics(backend.to_host(acc, [reduced])[0].tolist()))
         # Tokens: every update's forward and backward (the FLOPs counted); generation and the no-grad forwards are
         # not model FLOPs of training. Micro-steps: the step's micro-batches once (the loop counts its samples by
         # them), however many times each is updated on.
@@ -148,6 +152,8 @@ def _gatherer(acc) -> Callable[[torch.Tensor], torch.Tensor]:
     tp = backend.tensor_parallel_size(acc)
 
     def gather(values: torch.Tensor) -> torch.Tensor:
+        if acc.num_processes == 1:  # one process (XLA SPMD's too) holds every row already
+            return values
         every = acc.gather(values.to(acc.device)).cpu()
         if tp > 1:
             every = every.view(acc.num_processes, -1, *every.shape[1:])[::tp].flatten(0, 1)

@@ -129,9 +129,9 @@ class OnlineRL(CausalLM):
             problems.append(f"{key}.generation_steps: {g.generation_steps} optimizer steps cannot share the "
                             f"generation's {accumulation} micro-batches (train.gradient_accumulation_steps) equally; "
                             "make it divide them")
-        if strategy.xla:
-            problems.append(f"task: {self.name} does not run on XLA yet (generation makes a new shape per token); "
-                            "use backend=cpu or gpu")
+        if strategy.name == "xla_fsdp":
+            problems.append(f"task: {self.name} does not run under distributed.strategy=xla_fsdp yet (its generation "
+                            "on the sharded model is not built); use xla_spmd, or one XLA device")
         if g.beta > 0 and cfg.peft is None and strategy.shards_parameters:
             problems.append(f"{key}.beta: the reference model, a frozen copy, is not built under FSDP or DeepSpeed yet "
                             "(its weights load on the first process only); train an adapter (peft: the reference is "
@@ -182,7 +182,7 @@ class OnlineRL(CausalLM):
                                f"{self.section}.prompt_column")
 
     def collator(self, tokenizer, cfg, buckets, rows=None):
-        return PromptCollator()
+        return PromptCollator(rows)
 
     def bind(self, cfg, model, accelerator) -> "OnlineRun":
         """Dropout (peft's too) is switched off in the model: TRL's disable_dropout, one function for sampling, the
@@ -204,7 +204,20 @@ class OnlineRun(LanguageRun):
     def __init__(self, task: OnlineRL, cfg, accelerator, reference: Optional[Reference] = None,
                  own_generator: bool = True):
         super().__init__(task, cfg, accelerator)
-        self.generator = generator.Generator() if own_generator else None
+        # XLA: fixed shapes on the device (prompts in data.max_length slots, the step's rollouts padded to the run's
+        # buckets); a model the generator cannot run generates with transformers' generate on a host copy there.
+        static = backend.needs_static_shapes(accelerator)
+        self.static_generation = static and own_generator
+        if not own_generator:
+            self.generator = None
+        elif static:  # each decode step one graph: run_pending ends it
+            self.generator = generator.Generator(static=True, prompt_slots=cfg.data.max_length,
+                                                 sync=lambda: backend.run_pending(accelerator))
+        else:
+            self.generator = generator.Generator()
+        # The step's prefill and decode step, evaluation's (its rows, greedy), the no-grad log-probabilities' pass.
+        self.compiled_graphs = 5 if self.static_generation else 0
+        self.buckets = data.pad_lengths(cfg.data, static, task.sequence_length(cfg, None))
         g = self.settings = task.settings(cfg)
         self.section, self.seed, self.accelerator, self.reference = task.section, cfg.seed, accelerator, reference
         self.tokenizer, _ = completion_tokenizer(task, cfg)
