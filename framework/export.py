@@ -93,11 +93,11 @@ def default_out(model_dir: Path, kind: str) -> Path:
     return model_dir.parent / f"{model_dir.name}-{kind}.gguf"
 
 
-def kind_of(name: str, key: str = "--gguf") -> Kind:
-    """The ``Kind`` a type name stands for (any case), or a UserError naming ``key`` and the types there are."""
+def kind_of(name: str) -> Kind:
+    """The ``Kind`` a type name stands for (any case), or a UserError naming the types there are."""
     kind = KINDS.get(name.lower())
     if kind is None:
-        raise UserError(f"{key}: no GGUF type '{name}' here; use one of {', '.join(KINDS)} (k-quants such as Q4_K_M "
+        raise UserError(f"--gguf: no GGUF type '{name}' here; use one of {', '.join(KINDS)} (k-quants such as Q4_K_M "
                         "need llama.cpp's llama-quantize, run on the f16 file)")
     return kind
 
