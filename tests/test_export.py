@@ -1,0 +1,336 @@
+"""GGUF export (framework/export.py): the written file read back by transformers computes what the model folder
+computes, within each type's rounding; its tokenizer encodes as the folder's and carries its chat template; bad
+input exits 2 with one line. On tiny random models (a ByteLevel BPE tokenizer trained here on a few sentences,
+ChatML's tokens and template) and on SmolLM2: its Q4_1 export is byte for byte the Q4_1 file llama.cpp made, which
+the asset folder was dequantized from."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from framework import export
+from framework.errors import UserError
+from helpers import ROOT, smollm2_gguf
+
+GG = gguf.GGMLQuantizationType
+SMOLLM2 = ROOT / "assets" / "SmolLM2-135M-Instruct"
+TEXTS = ["the movie was good and the plot was great", "a boring film with a dull ending, sadly.",
+         "What is 26 + 28? It is 54!", "User: hello there\nAssistant: hi, how can I help?"] * 4
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PROBES = ["the movie was good, 26 + 28?", "  Hello\n\nWORLD!! 1234 été", "<|im_start|>user\nhi<|im_end|>\n"]
+CHAT = [{"role": "user", "content": "Is the film good? 26 + 28"}, {"role": "assistant", "content": "yes, 54"}]
+# Measured max |logit difference| against the source model on the tiny Llama below (logits up to about 3): f16
+# 0.0026, q8_0 0.085, q4_1 0.76; each file also computes exactly what the source computes with its weights rounded
+# through the same quantizer in memory (0.0), so these bounds are the quantizers' own error.
+BOUNDS = {"f16": 1e-2, "q8_0": 0.15, "q4_1": 1.5}
+# SmolLM2 (logits up to 39, std 8.4): q8_0 1.32 at most, 0.20 on average over the 40 positions x 49,152 logits.
+SMOLLM2_Q8_0_BOUND = 2.0
+
+
+def save_bpe_tokenizer(folder, split: str = "gpt2", add_bos: bool = False):
+    """A byte-level BPE tokenizer trained on TEXTS (vocabulary 300) with ChatML's tokens and template. ``split``:
+    GPT-2's (a plain ByteLevel pre-tokenizer), Qwen2's (its regex, NFC) or SmolLM's (digits one by one first);
+    ``add_bos``: the tokenizer puts <|endoftext|> first, as its BOS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split != "qwen2")
+    backend.pre_tokenizer = {
+        "gpt2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+        "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(export.QWEN2_SPLIT), behavior="isolated"),
+                                          byte_level]),
+    }[split]
+    if split == "qwen2":
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                               special_tokens=[("<|endoftext|>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=SPECIAL[0 if add_bos else 1],
+                                        eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_causal_lm(folder, model_type: str = "llama", tied: bool = True, split: str = "gpt2", add_bos: bool = False):
+    """A 2-layer random causal LM (4 query heads over 2 key/value heads, head size 16) with save_bpe_tokenizer's
+    tokenizer. Weights drawn wide (std 0.1, biases too) so that attention is sharp: a query or key in the wrong
+    rotary layout then moves the logits by units, not by rounding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = save_bpe_tokenizer(folder, split, add_bos)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, tie_word_embeddings=tied, initializer_range=0.1,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def logits(model, tokenizer_or_ids):
+    ids = tokenizer_or_ids if torch.is_tensor(tokenizer_or_ids) else tokenizer_or_ids(
+        " ".join(TEXTS[:3]), return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def load_gguf(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def rounded(model, kind: str):
+    """The model with each matrix rounded through the quantizer the kind writes it with, in memory."""
+    spec = export.KINDS[kind]
+    model = copy.deepcopy(model)
+    out = model.get_output_embeddings().weight
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                qtype = spec.output if p is out else spec.weights
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)))
+    return model
+
+
+def tensor_types(path) -> dict:
+    return {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+
+
+def field(path, key):
+    return gguf.GGUFReader(path).fields[key].contents()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    return folder, save_causal_lm(folder)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_1"])
+def test_a_tiny_llama_reads_back_with_its_logits(kind, tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder, source = tiny_llama
+    path = export.export_gguf(folder, kind, tmp_path / f"tiny-{kind}.gguf")
+    model, _ = load_gguf(path)
+    assert model.config.tie_word_embeddings and model.config.rope_parameters["rope_theta"] == 30000.0
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected, got = logits(source, tokenizer), logits(model, tokenizer)
+    assert (got - expected).abs().max().item() < BOUNDS[kind]
+    if kind != "f16":
+        torch.testing.assert_close(got, logits(rounded(source, kind), tokenizer), rtol=0, atol=1e-5)
+    spec, types = export.KINDS[kind], tensor_types(path)
+    assert "output.weight" not in types and types["token_embd.weight"] == spec.output  # tied: one matrix
+    assert types["blk.0.attn_q.weight"] == spec.weights and types["blk.1.ffn_down.weight"] == spec.weights
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == GG.F32
+    assert field(path, "general.file_type") == spec.file_type and field(path, "general.name") == "tiny0"
+
+
+def test_the_rotary_permutation_is_what_makes_the_logits_match(tiny_llama, tmp_path, monkeypatch):
+    """The check above can see the layout: written unpermuted, the same file is off by units."""
+    from transformers import AutoTokenizer
+
+    folder, source = tiny_llama
+    monkeypatch.setitem(export.ARCHITECTURES, "llama", export.Architecture(gguf.MODEL_ARCH.LLAMA, permute=False))
+    model, _ = load_gguf(export.export_gguf(folder, "f16", tmp_path / "unpermuted.gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (logits(model, tokenizer) - logits(source, tokenizer)).abs().max().item() > 0.5
+
+
+@pytest.mark.parametrize("model_type, tied", [("mistral", True), ("qwen2", False)])
+def test_mistral_and_qwen2_read_back_with_their_logits(model_type, tied, tmp_path):
+    """Mistral is written as llama (as llama.cpp does); Qwen2 as qwen2, unpermuted, with its query/key/value
+    biases and here an untied output matrix. (Not in a folder named "mistral": transformers reads a GGUF whose
+    general.name is exactly that as architecture mistral, and fails to map its tensors.)"""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / f"tiny-{model_type}"
+    source = save_causal_lm(folder, model_type, tied=tied)
+    path = export.export_gguf(folder, "f16", tmp_path / "out.gguf")
+    model, _ = load_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (logits(model, tokenizer) - logits(source, tokenizer)).abs().max().item() < BOUNDS["f16"]
+    assert field(path, "general.architecture") == ("llama" if model_type == "mistral" else "qwen2")
+    assert ("output.weight" in tensor_types(path)) == (not tied)
+
+
+@pytest.mark.parametrize("split, add_bos", [("gpt2", False), ("qwen2", True)])
+def test_the_tokenizer_reads_back_with_its_ids_and_chat_template(split, add_bos, tmp_path):
+    folder = tmp_path / "model"
+    save_causal_lm(folder, "llama" if split == "gpt2" else "qwen2", split=split, add_bos=add_bos)
+    path = export.export_gguf(folder, "q8_0", tmp_path / "out.gguf")
+    from transformers import AutoTokenizer
+
+    source = AutoTokenizer.from_pretrained(folder)
+    _, read = load_gguf(path)
+    for text in PROBES:
+        assert read(text)["input_ids"] == source(text)["input_ids"], text
+    assert (source("a")["input_ids"][0] == source.bos_token_id) == add_bos  # the case is real
+    assert read.chat_template == source.chat_template == CHATML
+    assert (read.apply_chat_template(CHAT, add_generation_prompt=True)
+            == source.apply_chat_template(CHAT, add_generation_prompt=True))
+    assert ([read.bos_token, read.eos_token, read.pad_token, read.unk_token]
+            == [source.bos_token, source.eos_token, source.pad_token, source.unk_token])
+    assert field(path, "tokenizer.ggml.model") == "gpt2" and field(path, "tokenizer.ggml.pre") == split
+    assert field(path, "tokenizer.ggml.add_bos_token") is add_bos
+    assert field(path, "tokenizer.ggml.token_type")[:4] == [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL]
+
+
+def test_pre_tokenizer_names_and_refusals(tmp_path):
+    """SmolLM's own split (digits one by one) is named as llama.cpp names it; a tokenizer llama.cpp would split
+    otherwise (here word-level) is refused by file."""
+    from framework.testing import save_word_tokenizer
+
+    save_bpe_tokenizer(tmp_path / "smollm", split="smollm")
+    assert export.pre_tokenizer_name(tmp_path / "smollm") == "smollm"
+    save_word_tokenizer(tmp_path / "words", ["good", "bad"])
+    with pytest.raises(UserError, match="tokenizer.json: a WordLevel tokenizer"):
+        export.pre_tokenizer_name(tmp_path / "words")
+
+
+def test_a_lora_adapter_folder_is_merged_into_its_base(tiny_llama, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base, _ = tiny_llama
+    torch.manual_seed(1)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "model")
+    path = export.export_gguf(tmp_path / "model", "f16", tmp_path / "merged.gguf")
+    model, _ = load_gguf(path)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "model")
+    merged = merged.merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    expected = logits(merged, tokenizer)
+    assert (expected - logits(AutoModelForCausalLM.from_pretrained(base), tokenizer)).abs().max() > 0.1  # it moved
+    assert (logits(model, tokenizer) - expected).abs().max().item() < BOUNDS["f16"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.gguf", "model"]  # the merged copy is gone
+
+
+def test_the_command_writes_each_type_next_to_the_model_folder(tiny_llama, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_llama[0], run / "model")
+    assert export.main([str(run), "--gguf", "Q8_0", "--gguf", "f16"]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["model", "model-f16.gguf", "model-q8_0.gguf"]
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0].startswith(f"wrote {run / 'model-q8_0.gguf'} (q8_0")
+    assert export.main([str(run / "model"), "--gguf", "q4_1", "--out", str(tmp_path / "new" / "x.gguf")]) == 0
+    assert field(tmp_path / "new" / "x.gguf", "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_1
+
+
+def bad_inputs(tmp_path, tiny_llama):
+    """(arguments, what the line must name) for each refusal."""
+    from framework.testing import save_word_tokenizer
+
+    folder = str(tiny_llama[0])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("")
+    words = tmp_path / "words"
+    save_word_tokenizer(words, ["good", "bad"])
+    (words / "config.json").write_text((tiny_llama[0] / "config.json").read_text())
+    (words / "model.safetensors").symlink_to(tiny_llama[0] / "model.safetensors")
+    hub_adapter = tmp_path / "hub_adapter"
+    hub_adapter.mkdir()
+    (hub_adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/some-model"}))
+    return [
+        ([str(tmp_path / "missing"), "--gguf", "f16"], "does not exist"),
+        ([str(tmp_path / "empty"), "--gguf", "f16"], "holds no model"),
+        ([folder, "--gguf", "q4_k_m"], "--gguf: no GGUF type 'q4_k_m'"),
+        ([folder], "--gguf"),
+        ([folder, "--gguf", "f16", "--out", str(tmp_path / "a_file" / "x.gguf")], "--out"),
+        ([folder, "--gguf", "f16", "--out", str(tmp_path)], "--out"),
+        ([folder, "--gguf", "f16", "--gguf", "q8_0", "--out", str(tmp_path / "x.gguf")], "--out"),
+        ([str(words), "--gguf", "f16"], "tokenizer.json"),
+        ([str(hub_adapter), "--gguf", "f16"], "peft.merge=true"),
+    ]
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tiny_llama, tmp_path, capsys):
+    for argv, says in bad_inputs(tmp_path, tiny_llama):
+        assert export.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and says in err and "\n" not in err and "Traceback" not in err, err
+    assert not list(tmp_path.rglob("*.gguf")) and not list(tmp_path.rglob(".tmp_*"))
+    assert not list(tiny_llama[0].parent.glob("*.gguf"))
+
+
+def test_a_classifier_is_refused_by_the_command_in_one_line(tmp_path):
+    """The command as a user runs it: a BERT classifier is no architecture it writes."""
+    from framework.testing import save_tiny_bert
+
+    save_tiny_bert(tmp_path / "bert", ["good", "bad"])
+    done = subprocess.run([sys.executable, "-m", "framework.export", str(tmp_path / "bert"), "--gguf", "q8_0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and "BertForSequenceClassification" in done.stderr, done.stderr
+
+
+def smollm2() -> None:
+    if not SMOLLM2.is_dir():
+        pytest.fail(f"{SMOLLM2} is missing: run `make install` (or `python tools/assets.py assets`)")
+
+
+def test_smollm2_in_q4_1_is_the_file_llama_cpp_made(tmp_path):
+    """The asset folder is SmolLM2's Q4_1 GGUF (made by llama.cpp's converter and llama-quantize) dequantized:
+    written back in Q4_1 every tensor is byte for byte that file's (the permuted query and key rows, the tied
+    embedding in Q8_0, the norms in F32), and so are the tokens, their types, merges, special ids and template."""
+    smollm2()
+    ours = gguf.GGUFReader(export.export_gguf(SMOLLM2, "q4_1", tmp_path / "smollm2-q4_1.gguf"))
+    shipped = gguf.GGUFReader(smollm2_gguf())
+    theirs = {t.name: t for t in shipped.tensors}
+    assert sorted(t.name for t in ours.tensors) == sorted(theirs)
+    for tensor in ours.tensors:
+        assert tensor.tensor_type == theirs[tensor.name].tensor_type, tensor.name
+        assert np.array_equal(tensor.data, theirs[tensor.name].data), tensor.name
+    differ = [k for k, f in shipped.fields.items() if not k.startswith(("GGUF.", "general."))
+              and (k not in ours.fields or ours.fields[k].contents() != f.contents())]
+    # The folder's tokenizer.json, rebuilt by transformers from that file, splits as GPT-2 (digits in runs):
+    # written as what the folder does. llama.cpp's converter left add_space_prefix (false, the default).
+    assert sorted(differ) == ["tokenizer.ggml.add_space_prefix", "tokenizer.ggml.pre"]
+    assert ours.fields["tokenizer.ggml.pre"].contents() == "gpt2"
+
+
+@pytest.mark.slow
+def test_smollm2_in_q8_0_reads_back_with_its_logits(tmp_path):
+    """transformers reads a GGUF of SmolLM2's vocabulary slowly (about 15 s): with the test-slow tier."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    smollm2()
+    source = AutoModelForCausalLM.from_pretrained(SMOLLM2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 26 + 28?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    model, read = load_gguf(export.export_gguf(SMOLLM2, "q8_0", tmp_path / "smollm2-q8_0.gguf"))
+    expected, got = logits(source, ids), logits(model, ids)
+    assert (got - expected).abs().max().item() < SMOLLM2_Q8_0_BOUND
+    assert got[0, -1].argmax() == expected[0, -1].argmax()
+    assert read(PROBES[1])["input_ids"] == tokenizer(PROBES[1])["input_ids"]
+    assert read.chat_template == tokenizer.chat_template
