@@ -206,7 +206,8 @@ def _results_text(summary: Dict[str, Any]) -> str:
             ("wall time (whole run)", _duration(summary.get("wall_seconds"))),
             ("training time", _duration(train.get("wall_seconds"))),
             ("samples / s", train.get("samples_per_second")), ("tokens / s", train.get("tokens_per_second"))]
-    rows += [(f"eval {k}", v) for k, v in (summary.get("eval") or {}).items()]
+    # The scalar figures: per-class tables and confusion matrices are in summary.json and report.html.
+    rows += [(f"eval {k}", v) for k, v in (summary.get("eval") or {}).items() if isinstance(v, (int, float))]
     if summary.get("mfu") is not None:
         rows.append(("MFU", summary["mfu"]))
     notes = [f"stopped early ({train['stopped_early']})"] if train.get("stopped_early") else []

@@ -93,13 +93,30 @@ def default_out(model_dir: Path, kind: str) -> Path:
     return model_dir.parent / f"{model_dir.name}-{kind}.gguf"
 
 
-def kind_of(name: str) -> Kind:
-    """The ``Kind`` a type name stands for (any case), or a UserError naming the types there are."""
+def kind_of(name: str, key: str = "--gguf") -> Kind:
+    """The ``Kind`` a type name stands for (any case), or a UserError naming ``key`` (the option or recipe key that
+    gave it) and the types there are."""
     kind = KINDS.get(name.lower())
     if kind is None:
-        raise UserError(f"--gguf: no GGUF type '{name}' here; use one of {', '.join(KINDS)} (k-quants such as Q4_K_M "
-                        "need llama.cpp's llama-quantize, run on the f16 file)")
+        raise UserError(f"{key}: no GGUF type '{name}' here; use one of {', '.join(KINDS)} (k-quants such as "
+                        "Q4_K_M need llama.cpp's llama-quantize, run on the f16 file)")
     return kind
+
+
+def recipe_problems(model_type: Optional[str], tokenizer: Optional[Path], key: str = "export.gguf") -> List[str]:
+    """What can be told before a run trains of whether its model will export (``key``: the recipe key asking):
+    ``model_type`` (None: not known before the model loads, a Hub model or a GGUF file) and the tokenizer folder
+    (None: not a local folder). The rest (weights, rotary scaling, biases) is checked when the file is written."""
+    problems = []
+    if model_type is not None and model_type not in ARCHITECTURES:
+        problems.append(f"{key}: a {model_type} model has no GGUF writer here; GGUF export writes causal LMs of type "
+                        f"{', '.join(ARCHITECTURES)}; remove {key}")
+    if tokenizer is not None and (tokenizer / "tokenizer.json").is_file():
+        try:
+            pre_tokenizer_name(tokenizer)
+        except UserError as e:
+            problems.append(f"{key}: {e}")
+    return problems
 
 
 def locate(path: Path) -> Path:

@@ -22,6 +22,7 @@ from helpers import ROOT, smollm2_gguf
 
 GG = gguf.GGMLQuantizationType
 SMOLLM2 = ROOT / "assets" / "SmolLM2-135M-Instruct"
+TINY_LLAMA = ROOT / "tests" / "tiny_llama.yaml"
 TEXTS = ["the movie was good and the plot was great", "a boring film with a dull ending, sadly.",
          "What is 26 + 28? It is 54!", "User: hello there\nAssistant: hi, how can I help?"] * 4
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -334,3 +335,54 @@ def test_smollm2_in_q8_0_reads_back_with_its_logits(tmp_path):
     assert got[0, -1].argmax() == expected[0, -1].argmax()
     assert read(PROBES[1])["input_ids"] == tokenizer(PROBES[1])["input_ids"]
     assert read.chat_template == tokenizer.chat_template
+
+
+# ---------------------------------------------------------------- export.gguf: written by a run
+
+
+def test_a_run_writes_its_export_gguf_file_which_transformers_loads(corpus, hf_home, tmp_path):
+    """``export.gguf: [f16]`` in a tiny Llama's run (tests/tiny_llama.yaml over this module's BPE tokenizer): the
+    file next to model/ computes what model/ computes, within f16's rounding; summary.json and the card list it."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import summary
+    from in_process import run_main
+
+    save_bpe_tokenizer(tmp_path / "tokenizer")
+    out = tmp_path / "run"
+    assert run_main(["--config", str(TINY_LLAMA), f"model.tokenizer={tmp_path / 'tokenizer'}",
+                     f"data.train_file={corpus}", f"output_dir={out}", "train.max_steps=3", "export.gguf=[F16]"],
+                    hf_home) == 0
+    assert summary(out)["exports"] == {"f16": "model-f16.gguf"}
+    model, read = load_gguf(out / "model-f16.gguf")
+    trained = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    assert (logits(model, tokenizer) - logits(trained, tokenizer)).abs().max().item() < BOUNDS["f16"]
+    assert read(PROBES[0])["input_ids"] == tokenizer(PROBES[0])["input_ids"]
+    assert "- `model-f16.gguf` (" in ModelCard.load(out / "model" / "README.md").text
+
+
+def test_export_gguf_is_refused_by_key_before_training(word_tokenizer, tmp_path):
+    """What the recipe tells before anything loads: a type the writer lacks, a task whose model is no causal LM, a
+    model type it does not write, a tokenizer it does not map."""
+    from framework.recipe import load_config
+    from helpers import TINY_LM, TINY_RECIPE
+
+    save_bpe_tokenizer(tmp_path / "bpe")
+    llama = ["--config", TINY_LLAMA, f"model.tokenizer={tmp_path / 'bpe'}"]
+    cases = [
+        (llama + ["export.gguf=[f16,q4_k_m]"], "export.gguf: no GGUF type 'q4_k_m' here; use one of f16, q8_0, q4_1"),
+        (["--config", TINY_RECIPE, "model.name_or_path=x", "export.gguf=[q8_0]"],
+         "export.gguf: GGUF files hold causal language models, and text_classification trains a text-classification"),
+        (["--config", TINY_LM, f"model.tokenizer={tmp_path / 'bpe'}", "export.gguf=[q8_0]"],
+         "export.gguf: a gpt2 model has no GGUF writer here"),
+        (["--config", TINY_LLAMA, f"model.tokenizer={word_tokenizer}", "export.gguf=[q8_0]"],
+         "export.gguf: " + str(word_tokenizer / "tokenizer.json") + ": a WordLevel tokenizer"),
+    ]
+    for (_, path, *overrides), says in cases:
+        with pytest.raises(UserError) as refused:
+            load_config(path, ["data.train_file=x.csv", *overrides])
+        assert says in str(refused.value) and str(refused.value).count("\n  - ") == 1, str(refused.value)
+    allowed = load_config(TINY_LLAMA, ["data.train_file=x.csv", f"model.tokenizer={tmp_path / 'bpe'}", "export.gguf=[f16]"])
+    assert allowed.export.gguf == ["f16"]

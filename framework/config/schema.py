@@ -368,6 +368,17 @@ class PeftConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What the run writes from ``model/`` at its end, beside it (framework/export.py; docs/export.md). The model
+    card, ``model/README.md``, is written by every run."""
+
+    gguf: List[str] = field(default_factory=list)
+    """GGUF types to write for llama.cpp (f16, q8_0, q4_1), each as ``output_dir/model-<type>.gguf`` after ``model/``:
+    causal LMs of the Llama family (llama, SmolLM2, mistral) or qwen2 with a byte-level BPE tokenizer. Empty: none
+    (``python -m framework.export`` writes them later from a finished run)."""
+
+
+@dataclass
 class RunConfig:
     task: str = "text_classification"
     """What is trained: text_classification, causal_lm, masked_lm, sft, dpo, grpo or rloo (``framework/tasks/``, one
@@ -401,6 +412,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     peft: Optional[PeftConfig] = None
     """Adapters instead of full fine-tuning (see PeftConfig); null: every weight trains."""
+    export: ExportConfig = field(default_factory=ExportConfig)
     env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})
     """Not a recipe key: dotted key -> the recipe's own text (``${oc.env:...}``) for values that came from the
     environment, written out instead of the values."""
