@@ -18,16 +18,11 @@ import torch
 
 from framework import export
 from framework.errors import UserError
-from helpers import ROOT, smollm2_gguf
+from helpers import CHATML, ROOT, TEXTS, save_bpe_tokenizer, save_causal_lm, smollm2_gguf
 
 GG = gguf.GGMLQuantizationType
 SMOLLM2 = ROOT / "assets" / "SmolLM2-135M-Instruct"
 TINY_LLAMA = ROOT / "tests" / "tiny_llama.yaml"
-TEXTS = ["the movie was good and the plot was great", "a boring film with a dull ending, sadly.",
-         "What is 26 + 28? It is 54!", "User: hello there\nAssistant: hi, how can I help?"] * 4
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PROBES = ["the movie was good, 26 + 28?", "  Hello\n\nWORLD!! 1234 été", "<|im_start|>user\nhi<|im_end|>\n"]
 CHAT = [{"role": "user", "content": "Is the film good? 26 + 28"}, {"role": "assistant", "content": "yes, 54"}]
 # Measured max |logit difference| against the source model on the tiny Llama below (logits up to about 3): f16
@@ -36,58 +31,6 @@ CHAT = [{"role": "user", "content": "Is the film good? 26 + 28"}, {"role": "assi
 BOUNDS = {"f16": 1e-2, "q8_0": 0.15, "q4_1": 1.5}
 # SmolLM2 (logits up to 39, std 8.4): q8_0 1.32 at most, 0.20 on average over the 40 positions x 49,152 logits.
 SMOLLM2_Q8_0_BOUND = 2.0
-
-
-def save_bpe_tokenizer(folder, split: str = "gpt2", add_bos: bool = False):
-    """A byte-level BPE tokenizer trained on TEXTS (vocabulary 300) with ChatML's tokens and template. ``split``:
-    GPT-2's (a plain ByteLevel pre-tokenizer), Qwen2's (its regex, NFC) or SmolLM's (digits one by one first);
-    ``add_bos``: the tokenizer puts <|endoftext|> first, as its BOS."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split != "qwen2")
-    backend.pre_tokenizer = {
-        "gpt2": byte_level,
-        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
-        "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(export.QWEN2_SPLIT), behavior="isolated"),
-                                          byte_level]),
-    }[split]
-    if split == "qwen2":
-        backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    if add_bos:
-        backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
-                                                               special_tokens=[("<|endoftext|>", 0)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=SPECIAL[0 if add_bos else 1],
-                                        eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|im_end|>")
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
-    return tokenizer
-
-
-def save_causal_lm(folder, model_type: str = "llama", tied: bool = True, split: str = "gpt2", add_bos: bool = False):
-    """A 2-layer random causal LM (4 query heads over 2 key/value heads, head size 16) with save_bpe_tokenizer's
-    tokenizer. Weights drawn wide (std 0.1, biases too) so that attention is sharp: a query or key in the wrong
-    rotary layout then moves the logits by units, not by rounding."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tokenizer = save_bpe_tokenizer(folder, split, add_bos)
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, tie_word_embeddings=tied, initializer_range=0.1,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder)
-    return model
 
 
 def logits(model, tokenizer_or_ids):
