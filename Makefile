@@ -1,4 +1,4 @@
-# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz | faults | ci   (each installs what it needs)
+# make install | run | test | test-slow | test-gpu | install-xla | test-xla | bench | fuzz | faults | ci | gguf-llamacpp   (each installs what it needs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +13,7 @@ RUNS ?= runs
 TIMED = start=$$(date +%s); $(2); status=$$?; echo "$(1): $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
-	test-xla-all test-slow-small test-slow-llm slurm ray
+	test-xla-all test-slow-small test-slow-llm slurm ray gguf-llamacpp
 
 install: $(VENV)/.installed assets/.ready
 
@@ -117,6 +117,13 @@ bench: install
 	$(BIN)/python benchmarks/compare_loops.py --case default_job --job-sides as-users-get-them --rounds 3
 	$(BIN)/python benchmarks/compare_lm.py --rounds 3
 	$(BIN)/python benchmarks/chunked_loss.py --rounds 3
+
+# GGUF export (framework/export.py) run by llama.cpp itself: llama-cpp-python, built from source with cmake (many
+# minutes on 2 cores, once), loads SmolLM2 exported in q8_0; its prompt ids and greedy continuation must be
+# transformers' on the same file (tools/gguf_llamacpp.py).
+gguf-llamacpp: install
+	$(BIN)/pip install -q -c constraints.txt llama-cpp-python==0.3.36
+	$(BIN)/python tools/gguf_llamacpp.py
 
 test-cpu: install
 	@$(call TIMED,test-cpu,$(BIN)/python -m pytest -m "not xla and not slow" --durations=25 tests)

@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from omegaconf import OmegaConf
 
-from framework import adapters, backend, disk, profiling, report, resharding
+from framework import adapters, backend, disk, export, profiling, report, resharding
 from framework.config import RunConfig
 from framework.recipe import resume_differences
 from framework.errors import UserError
@@ -34,8 +34,9 @@ from framework.errors import UserError
 TRACKER_PROJECT = "framework"  # the project name the trackers log under, a folder of output_dir
 # What a run writes into output_dir (the run contract). Finding any of them means another run was here.
 RUN_OUTPUTS = ("config.yaml", "summary.json", "metrics.jsonl", "model", "checkpoints", report.PAGE, report.PLOTS,
-               profiling.FOLDER, TRACKER_PROJECT, "wandb", "mlflow")  # the trackers' logs: tensorboard's event files in
-# output_dir/<project>, wandb's and mlflow's runs in output_dir/wandb and output_dir/mlflow
+               profiling.FOLDER, TRACKER_PROJECT, "wandb", "mlflow",  # the trackers' logs: tensorboard's event files in
+               # output_dir/<project>, wandb's and mlflow's runs in output_dir/wandb and output_dir/mlflow
+               *(export.default_out(Path("model"), kind).name for kind in export.KINDS))  # export.gguf's files
 STATE_FILE = "trainer_state.json"
 # A streaming run's loader state, one pair per process: the position and generator states as JSON, the
 # shuffle buffer's arrays in safetensors. Nothing the framework writes needs pickle to read.

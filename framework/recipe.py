@@ -8,10 +8,11 @@ together, each naming its dotted key."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from framework import adapters, backend
+from framework import adapters, backend, export
 from framework.config import loading, renamed, resume, validation
 from framework.config.checks import cross_checks
 from framework.config.schema import RunConfig, with_sections
@@ -36,7 +37,7 @@ def load_config(path: Optional[str | Path], overrides: List[str]) -> RunConfig:
         problems += renamed.move(data, task.options[0], task.moved_from_data)
     cfg, built = validation.build(schema(), data)
     cfg.env_templates = templates
-    problems += built + cross_checks(cfg) + _task_checks(cfg) + _unread_keys(cfg.task, data)
+    problems += built + cross_checks(cfg) + _task_checks(cfg) + _export_checks(cfg) + _unread_keys(cfg.task, data)
     if problems:
         where = f"recipe {path}" if path is not None else "recipe"
         raise UserError(f"{where} has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
@@ -74,6 +75,40 @@ def _task_checks(cfg: RunConfig) -> List[str]:
         problems.append(f"eval.harness: lm-evaluation-harness scores causal language models, not {cfg.task}; "
                         "remove eval.harness")
     return problems
+
+
+def _export_checks(cfg: RunConfig) -> List[str]:
+    """``export.gguf``: types the GGUF writer has, for a task whose model it writes (a causal LM), of a model type and
+    with a tokenizer it maps where the recipe names them locally (framework/export.py; the rest is checked when the
+    file is written, at the end of the run)."""
+    if not cfg.export.gguf or cfg.task not in registered():
+        return []
+    problems = []
+    for name in cfg.export.gguf:
+        try:
+            export.kind_of(name, "export.gguf")
+        except UserError as e:
+            problems.append(str(e))
+    pipeline = getattr(get_task(cfg.task), "pipeline", None)
+    if pipeline != "text-generation":
+        return problems + [f"export.gguf: GGUF files hold causal language models, and {cfg.task} trains a "
+                           f"{pipeline or 'other'} model; remove export.gguf"]
+    m = cfg.model
+    model_type = m.config.get("model_type") if m.config is not None else _local_model_type(m.name_or_path)
+    tokenizer = m.tokenizer or m.name_or_path
+    folder = Path(tokenizer) if tokenizer and Path(tokenizer).is_dir() else None
+    return problems + export.recipe_problems(model_type, folder)
+
+
+def _local_model_type(name: Optional[str]) -> Optional[str]:
+    """The model_type of a local model folder's config.json; None for anything else (a Hub id, a GGUF file)."""
+    config = Path(name) / "config.json" if name else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _unread_keys(task_name: str, data: Dict[str, Any]) -> List[str]:

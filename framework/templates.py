@@ -55,13 +55,14 @@ BUILTIN = {"chatml": Builtin(CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>
 KEY = "data.chat_template"
 
 
-def use_template(tokenizer, name: Optional[str], needed: bool = True) -> List[str]:
+def use_template(tokenizer, name: Optional[str], needed: bool = True, key: str = KEY) -> List[str]:
     """Give ``tokenizer`` the chat template ``name`` (a built-in name or a jinja file; None: keep its own) and,
     for a built-in one, its special tokens. Returns the tokens added (the model's embeddings must grow for
-    them: ``resize_embeddings``). ``needed``: a template is required (conversations are to be rendered)."""
+    them: ``resize_embeddings``). ``needed``: a template is required (conversations are to be rendered); ``key``:
+    the recipe key or option that names the template, in errors."""
     if name is None:
         if needed and not tokenizer.chat_template:
-            raise UserError(f"{KEY}: the tokenizer has no chat template of its own; set {KEY} to a built-in one "
+            raise UserError(f"{key}: the tokenizer has no chat template of its own; set {key} to a built-in one "
                             f"({', '.join(BUILTIN)}) or to a jinja file")
         return []
     if name in BUILTIN:
@@ -76,7 +77,7 @@ def use_template(tokenizer, name: Optional[str], needed: bool = True) -> List[st
         return added
     path = Path(name)
     if not path.is_file():
-        raise UserError(f"{KEY}: '{name}' is neither a built-in template ({', '.join(BUILTIN)}) nor a file "
+        raise UserError(f"{key}: '{name}' is neither a built-in template ({', '.join(BUILTIN)}) nor a file "
                         f"(relative paths start at {Path.cwd()})")
     tokenizer.chat_template = path.read_text()
     return []

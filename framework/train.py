@@ -18,8 +18,8 @@ from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
-from framework import (adapters, backend, checkpoint, disk, flops, harness, health, hub, memory, noise, report,
-                       resharding, run_data)
+from framework import (adapters, backend, card, checkpoint, disk, export, flops, harness, health, hub, memory, noise,
+                       report, resharding, run_data)
 from framework.config import RunConfig, to_dict, to_yaml
 from framework.disk import write_json, write_text
 from framework.errors import UserError
@@ -570,9 +570,30 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
     summary["wall_seconds"] = wall  # setup, the loop's parts and the finish (evaluation, saving) add up to it
     summary["time"] = {"setup": fit_start - started, **fit_time, "finish": wall - (fit_start - started) - fit_seconds}
     if acc.is_main_process:
+        failed = _export(cfg, summary)
         write_json(out / "summary.json", summary)
+        card.write_card(out / "model", to_dict(cfg), summary, files=[out / name for name in summary["exports"].values()])
         if cfg.report.enabled:
             write_report(out)
+        if failed is not None:
+            raise failed
         metric = run.task.task.metric
         print(f"done: eval {metric} {summary['eval'][metric]:.4f}, outputs in {out}")
     return summary
+
+
+def _export(cfg: RunConfig, summary: Dict) -> Optional[UserError]:
+    """The GGUF files ``export.gguf`` asks for, written from model/ beside it (framework/export.py), listed in the
+    summary's ``exports`` (type -> file name). A model the writer refuses is returned, to be raised once summary.json
+    and the card are written: the training outputs are complete, and the export can be run again by itself."""
+    model_dir = Path(cfg.output_dir) / "model"
+    summary["exports"] = {}
+    for kind in dict.fromkeys(name.lower() for name in cfg.export.gguf):
+        try:
+            path = export.export_gguf(model_dir, kind, export.default_out(model_dir, kind))
+        except UserError as e:
+            return UserError(f"export.gguf: {e}. The run's other outputs are complete: once fixed, write the file with "
+                             f"python -m framework.export {cfg.output_dir} --gguf {kind}")
+        summary["exports"][kind] = path.name
+        print(f"wrote {path} ({kind}: {export.KINDS[kind].about}; {disk.size_text(path.stat().st_size)})", flush=True)
+    return None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (LAUNCHERS_RUN, NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runner, documents, free_port, lm_args, pairs,
-                     review_conversations, synthetic_rows, tiny_args, toy_task_registered, write_csv, write_jsonl)
+                     preferences, review_conversations, synthetic_rows, tiny_args, toy_task_registered, write_csv,
+                     write_jsonl)
 from in_process import run_main
 
 
@@ -73,6 +74,12 @@ def pair_tokenizer(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def pair_data(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs(200, seed=1))
+
+
+@pytest.fixture(scope="session")
+def preference_data(tmp_path_factory) -> Path:
+    """Reward models' pairs (helpers.preferences): over ``pair_tokenizer``'s words."""
+    return write_jsonl(tmp_path_factory.mktemp("preferences") / "preferences.jsonl", preferences(200, seed=1))
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ TINY_RECIPE = TESTS / "tiny.yaml"
 TINY_LM = TESTS / "tiny_lm.yaml"
 TINY_MLM = TESTS / "tiny_mlm.yaml"
 TINY_DPO = TESTS / "tiny_dpo.yaml"
+TINY_REWARD_MODEL = TESTS / "tiny_reward_model.yaml"
 TINY_GRPO = TESTS / "tiny_grpo.yaml"
 TINY_RLOO = TESTS / "tiny_rloo.yaml"
 GRPO_REWARDS = TESTS / "grpo_rewards.py"
@@ -132,6 +133,20 @@ def pairs(n: int, seed: int):
     return rows
 
 
+def preferences(n: int, seed: int):
+    """A reward model's easy preference task: after a review's opening, the continuation that ends on a positive
+    word is preferred to the same continuation ending on a negative one (a tiny classifier learns it in a few
+    dozen steps)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        opening = " ".join(rng.choice(NEUTRAL) for _ in range(rng.randint(2, 6)))
+        middle = " ".join(rng.choice(NEUTRAL) for _ in range(rng.randint(1, 4)))
+        rows.append({"prompt": f"review : {opening}", "chosen": f" {middle} {rng.choice(POSITIVE)}",
+                     "rejected": f" {middle} {rng.choice(NEGATIVE)}"})
+    return rows
+
+
 # ---------------------------------------------------------------- arguments of the tiny recipes
 
 
@@ -212,6 +227,21 @@ def dpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
             f"output_dir={out}", *extra]
 
 
+# tests/tiny_llama.yaml's Llama as overrides of a tiny recipe's model.config (its GPT-2 keys are left unread):
+# grouped key/value heads, rotary positions, RMSNorm, an untied head; a tensor-parallel plan in transformers.
+LLAMA_CONFIG = ["model.config.model_type=llama", "model.config.num_hidden_layers=2",
+                "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+                "model.config.hidden_size=32", "model.config.intermediate_size=64",
+                "model.config.max_position_embeddings=64", "model.config.tie_word_embeddings=false"]
+
+
+def reward_model_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    """A tiny GPT-2 sequence classifier from scratch trained as a reward model on preference pairs
+    (tests/tiny_reward_model.yaml)."""
+    return ["--config", str(TINY_REWARD_MODEL), f"model.tokenizer={tokenizer}", f"data.train_file={data}",
+            f"output_dir={out}", *extra]
+
+
 def grpo_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> List[str]:
     """A tiny GPT-2 from scratch trained by GRPO (tests/tiny_grpo.yaml) on the preference pairs' prompts, rewarded
     for answering their chosen word and by tests/grpo_rewards.py's ``characters`` (rewards that vary from the start)."""
@@ -287,6 +317,69 @@ def tiny_gguf(target: Path, layers: int = 2, hidden: int = 64, heads: int = 4, k
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+# ---------------------------------------------------------------- tiny causal LMs with a byte-level BPE tokenizer
+# (tests/test_export.py's: GGUF export writes only such tokenizers; the chat command reads its files)
+
+TEXTS = ["the movie was good and the plot was great", "a boring film with a dull ending, sadly.",
+         "What is 26 + 28? It is 54!", "User: hello there\nAssistant: hi, how can I help?"] * 4
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+def save_bpe_tokenizer(folder, split: str = "gpt2", add_bos: bool = False):
+    """A byte-level BPE tokenizer trained on TEXTS (vocabulary 300) with ChatML's tokens and template. ``split``:
+    GPT-2's (a plain ByteLevel pre-tokenizer), Qwen2's (its regex, NFC) or SmolLM's (digits one by one first);
+    ``add_bos``: the tokenizer puts <|endoftext|> first, as its BOS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from framework import export
+
+    backend = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split != "qwen2")
+    backend.pre_tokenizer = {
+        "gpt2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+        "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(export.QWEN2_SPLIT), behavior="isolated"),
+                                          byte_level]),
+    }[split]
+    if split == "qwen2":
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                               special_tokens=[("<|endoftext|>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=SPECIAL[0 if add_bos else 1],
+                                        eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_causal_lm(folder, model_type: str = "llama", tied: bool = True, split: str = "gpt2", add_bos: bool = False):
+    """A 2-layer random causal LM (4 query heads over 2 key/value heads, head size 16) with save_bpe_tokenizer's
+    tokenizer. Weights drawn wide (std 0.1, biases too) so that attention is sharp: a query or key in the wrong
+    rotary layout then moves the logits by units, not by rounding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = save_bpe_tokenizer(folder, split, add_bos)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, tie_word_embeddings=tied, initializer_range=0.1,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return model
 
 
 # ---------------------------------------------------------------- a run's outputs

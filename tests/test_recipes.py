@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import ROOT
+from framework.config import loading
 from framework.recipe import load_config
 from framework.errors import UserError
 from in_process import run_main
@@ -60,22 +61,35 @@ def refusal(capsys, monkeypatch, hf_home, tmp_path, recipe) -> str:
     return err
 
 
-def earlier_run(recipe: Path):
-    """The shipped recipe whose run's model/ this recipe starts from (``model.name_or_path: runs/X/model``),
-    or None."""
-    def loaded(path: Path):
-        try:
-            return load_config(path, [])
-        except UserError:  # a recipe this backend refuses (the XLA tier loads them all)
-            return None
+def models_read(recipe: Path) -> dict:
+    """key -> the models a recipe reads, as it names them (read as written: a model that does not exist yet fails
+    its checks): ``model.name_or_path``, and an online-RL section's reward models (``model:PATH``)."""
+    data, _ = loading.read(recipe, [])
+    found = {"model.name_or_path": [(data.get("model") or {}).get("name_or_path") or ""]}
+    for section in ("grpo", "rloo"):
+        functions = (data.get(section) or {}).get("reward_functions") or []
+        if any(str(f).startswith("model:") for f in functions):
+            found[f"{section}.reward_functions"] = [str(f) for f in functions]
+    return found
 
-    cfg = loaded(recipe)
-    path = (cfg and cfg.model.name_or_path) or ""
-    for other in RECIPES:
-        other_cfg = loaded(other) if other != recipe and path else None
-        if other_cfg is not None and path == f"{other_cfg.output_dir}/model":
-            return other
+
+def earlier_run(recipe: Path):
+    """(the shipped recipe whose run's model/ this recipe reads (``model.name_or_path: runs/X/model``, or a reward
+    function ``model:runs/X/model``), the recipe key that names it), or None."""
+    for key, values in models_read(recipe).items():
+        for other in RECIPES:
+            model = f"{loading.read(other, [])[0].get('output_dir')}/model"
+            if other != recipe and any(v in (model, f"model:{model}") for v in values):
+                return other, key
     return None
+
+
+def pointed_at(recipe: Path, key: str, folder: Path) -> str:
+    """The override of ``key`` that reads ``folder`` instead of the earlier run's model/."""
+    if key == "model.name_or_path":
+        return f"model.name_or_path={folder}"
+    functions = [f"model:{folder}" if f.startswith("model:") else f for f in models_read(recipe)[key]]
+    return f"{key}=[{','.join(functions)}]"
 
 
 AFTER_A_RUN = [r for r in RECIPES if not needs(r) and earlier_run(r)]
@@ -89,7 +103,7 @@ def test_recipes_exist_and_each_is_tested():
     assert any(p.name == "text_classification.yaml" for p in RECIPES)
     assert {"examples/fsdp.yaml", "examples/deepspeed.yaml"} <= {name(r) for r in ON_CUDA}
     assert "examples/tpu.yaml" in {name(r) for r in ON_XLA}
-    assert "examples/lora_causal_lm.yaml" in {name(r) for r in AFTER_A_RUN}
+    assert {"examples/lora_causal_lm.yaml", "examples/grpo_reward_model.yaml"} <= {name(r) for r in AFTER_A_RUN}
     assert sorted(ANYWHERE + AFTER_A_RUN + SEVERAL_PROCESSES + ON_CUDA + ON_XLA) == RECIPES
 
 
@@ -107,13 +121,16 @@ def test_recipe_on_an_earlier_runs_model(capsys, monkeypatch, hf_home, tmp_path,
     the earlier recipe, untrained)."""
     from framework.tasks import get_task
 
-    path = load_config(recipe, []).model.name_or_path
-    assert f"model.name_or_path: folder {path} does not exist" in refusal(capsys, monkeypatch, hf_home, tmp_path, recipe)
-    first = load_config(earlier_run(recipe), [])
+    earlier, key = earlier_run(recipe)
+    model_dir = f"{loading.read(earlier, [])[0]['output_dir']}/model"
+    said = refusal(capsys, monkeypatch, hf_home, tmp_path, recipe)
+    assert (f"model.name_or_path: folder {model_dir} does not exist" in said if key == "model.name_or_path" else
+            f"{key}: 'model:{model_dir}': {model_dir} does not exist" in said), said
+    first = load_config(earlier, [])
     model, tokenizer = get_task(first.task).load(first, None, None)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    assert run_main([*dry_run(recipe, tmp_path), f"model.name_or_path={tmp_path / 'model'}"], hf_home) == 0
+    assert run_main([*dry_run(recipe, tmp_path), pointed_at(recipe, key, tmp_path / "model")], hf_home) == 0
     dry_run_plan(capsys.readouterr().out)
 
 

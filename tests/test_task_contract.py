@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ROOT, assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
-                     documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, read_metrics,
-                     review_conversations, rloo_args, sft_args, summary, synthetic_rows, task_names, tiny_args,
-                     write_jsonl)
+from helpers import (LLAMA_CONFIG, ROOT, assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
+                     documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, preferences, read_metrics,
+                     review_conversations, reward_model_args, rloo_args, sft_args, summary, synthetic_rows, task_names,
+                     tiny_args, write_jsonl)
 from in_process import run_captured, train_ok
 
 # The language models' runs: one document per row (packing off; masked LMs never pack): micro-batches of very
@@ -92,6 +92,12 @@ CONTRACTS = {
         # The frozen reference is not in the checkpoint: the resumed run rebuilds it from the starting weights.
         resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: pairs(40, seed=2), spoil=bad_pair,
         message="dpo.chosen_column: the row with prompt 'review : ", slow=("two_processes", "resume")),
+    # A reward model on preference pairs (pairs scored by a sequence classifier: one forward pass over both sides).
+    "reward_model": dict(
+        fixtures=("pair_tokenizer", "preference_data"), args=reward_model_args, batch=8, weights=(1e-5, 1e-6),
+        losses=None, overrides=["train.max_steps=4", "optim.name=sgd", "optim.lr=0.1", "train.max_grad_norm=null"],
+        eval=("margin", 1e-5), resume=RESUME, kill_at=12, resumed_from=10, rows=lambda: preferences(40, seed=2),
+        spoil=bad_pair, message="reward_model.chosen_column: the row with prompt 'review : ", slow=()),
     # GRPO samples 4 completions of each prompt, keyed by (seed, epoch, prompt index, completion): every run
     # draws the same ones, which the step's reward and completion lengths (over all 32) show at every step.
     "grpo": dict(
@@ -123,10 +129,8 @@ STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
 # config take tests/tiny_llama.yaml's Llama instead (untied head), in the TP run and in its 1-process reference,
 # with the whole batch (both processes of the tp dimension see the same batches). The MiniLM classifier and the
 # masked LM's BERT have no plan: refused by key.
-LLAMA = ["model.config.model_type=llama", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
-         "model.config.num_key_value_heads=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
-         "model.config.max_position_embeddings=64", "model.config.tie_word_embeddings=false"]
-TP_LLAMA = ("causal_lm", "sft", "dpo", "grpo", "rloo")
+LLAMA = LLAMA_CONFIG
+TP_LLAMA = ("causal_lm", "sft", "dpo", "reward_model", "grpo", "rloo")
 # The cells refused by key, and the message's start.
 SHARDING = ("fsdp2", "zero2", "zero3")
 REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built under FSDP or DeepSpeed" for s in SHARDING},

@@ -8,9 +8,10 @@ functions that write a resolved recipe out."""
 
 from framework.config.loading import flatten, to_dict, to_yaml
 from framework.config.schema import (CheckpointConfig, DataConfig, DeepSpeedConfig, DistributedConfig, EvalConfig,
-                                     FSDPConfig, HarnessConfig, ModelConfig, OptimConfig, ParamGroupConfig, PeftConfig,
-                                     ReportConfig, RunConfig, SourceConfig, TrainConfig, core_keys)
+                                     ExportConfig, FSDPConfig, HarnessConfig, ModelConfig, OptimConfig,
+                                     ParamGroupConfig, PeftConfig, ReportConfig, RunConfig, SourceConfig, TrainConfig,
+                                     core_keys)
 
-__all__ = ["CheckpointConfig", "DataConfig", "DeepSpeedConfig", "DistributedConfig", "EvalConfig", "FSDPConfig",
-           "HarnessConfig", "ModelConfig", "OptimConfig", "ParamGroupConfig", "PeftConfig", "ReportConfig", "RunConfig",
-           "SourceConfig", "TrainConfig", "core_keys", "flatten", "to_dict", "to_yaml"]
+__all__ = ["CheckpointConfig", "DataConfig", "DeepSpeedConfig", "DistributedConfig", "EvalConfig", "ExportConfig",
+           "FSDPConfig", "HarnessConfig", "ModelConfig", "OptimConfig", "ParamGroupConfig", "PeftConfig", "ReportConfig",
+           "RunConfig", "SourceConfig", "TrainConfig", "core_keys", "flatten", "to_dict", "to_yaml"]

@@ -20,9 +20,9 @@ RESUME_FREE_KEYS = ("output_dir", "overwrite", "report_to", "report.enabled", "r
                     "train.batch_size", "train.gradient_accumulation_steps")
 # Free only while no metric picks the best model or stops early: then evaluation points decide the result.
 RESUME_FREE_WITHOUT_METRIC = ("eval.every_steps",)
-# The harness reads the model and leaves the random state alone: its keys never change what is trained. The
-# strategies' own settings are the layout's.
-RESUME_FREE_PREFIXES = ("eval.harness", "distributed.fsdp.", "distributed.deepspeed.")
+# The harness reads the model and leaves the random state alone, and exports are written from the finished model:
+# their keys never change what is trained. The strategies' own settings are the layout's.
+RESUME_FREE_PREFIXES = ("eval.harness", "export.", "distributed.fsdp.", "distributed.deepspeed.")
 
 
 def differences(old: Dict[str, Any], cfg: RunConfig) -> Tuple[List[str], List[str]]:

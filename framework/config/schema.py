@@ -85,8 +85,8 @@ class DataConfig:
     label_column: str = "label"
     """Column holding the label: strings (mapped to ids in sorted order) or integers."""
     chat_template: Optional[str] = None
-    """Post-training (sft, dpo, grpo, rloo): the chat template: a jinja file, or a built-in name (chatml); default the
-    tokenizer's own."""
+    """Post-training (sft, dpo, reward_model, grpo, rloo): the chat template: a jinja file, or a built-in name
+    (chatml); default the tokenizer's own."""
     labels: Optional[List[str]] = None
     """Keep only rows whose label is one of these; their order gives the label ids."""
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"
@@ -102,7 +102,8 @@ class DataConfig:
     """Masked language models: the fraction of tokens to predict (of them 80% masked, 10% random, 10% kept)."""
     max_length: int = _bounded(128, ge=8)
     """The longest tokenized input: classification's text (longer texts are truncated), dpo's prompt and completion
-    (cut from the end), online RL's (grpo, rloo) prompt (a longer one keeps its last tokens)."""
+    (cut from the end), reward_model's (a longer pair is dropped), online RL's (grpo, rloo) prompt (a longer one keeps
+    its last tokens)."""
     max_train_samples: Optional[int] = _bounded(None, gt=0)
     """Train on at most this many rows (taken after the eval split)."""
     max_eval_samples: Optional[int] = _bounded(None, gt=0)
@@ -368,12 +369,23 @@ class PeftConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What the run writes from ``model/`` at its end, beside it (framework/export.py; docs/export.md). The model
+    card, ``model/README.md``, is written by every run."""
+
+    gguf: List[str] = field(default_factory=list)
+    """GGUF types to write for llama.cpp (f16, q8_0, q4_1), each as ``output_dir/model-<type>.gguf`` after ``model/``:
+    causal LMs of the Llama family (llama, SmolLM2, mistral) or qwen2 with a byte-level BPE tokenizer. Empty: none
+    (``python -m framework.export`` writes them later from a finished run)."""
+
+
+@dataclass
 class RunConfig:
     task: str = "text_classification"
-    """What is trained: text_classification, causal_lm, masked_lm, sft, dpo, grpo or rloo (``framework/tasks/``, one
-    module each), or a Task subclass of your own as ``path/to/file.py:ClassName`` or ``package.module:ClassName``
-    (docs/adding-a-task.md). A task with options of its own reads them from its section (``sft``, ``dpo``, ``grpo``,
-    ``rloo``)."""
+    """What is trained: text_classification, causal_lm, masked_lm, sft, dpo, reward_model, grpo or rloo
+    (``framework/tasks/``, one module each), or a Task subclass of your own as ``path/to/file.py:ClassName`` or
+    ``package.module:ClassName`` (docs/adding-a-task.md). A task with options of its own reads them from its section
+    (``sft``, ``dpo``, ``reward_model``, ``grpo``, ``rloo``)."""
     seed: int = _bounded(42, ge=0, lt=2**32)
     """Seeds Python, NumPy and torch on every process, the eval split and the data order."""
     output_dir: str = "runs/text_classification"
@@ -401,6 +413,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     peft: Optional[PeftConfig] = None
     """Adapters instead of full fine-tuning (see PeftConfig); null: every weight trains."""
+    export: ExportConfig = field(default_factory=ExportConfig)
     env_templates: Dict[str, Any] = field(default_factory=dict, repr=False, metadata={"internal": True})
     """Not a recipe key: dotted key -> the recipe's own text (``${oc.env:...}``) for values that came from the
     environment, written out instead of the values."""

@@ -45,7 +45,7 @@ from framework.tasks.base import (MODEL_ERRORS, ReportSection, Task, TaskRun, ge
                                   sections, task_keys)
 
 # The built-in tasks register themselves.
-from framework.tasks import text_classification, causal_lm, masked_lm, sft, dpo, grpo, rloo  # noqa: E402,F401  isort: skip
+from framework.tasks import text_classification, causal_lm, masked_lm, sft, dpo, reward_model, grpo, rloo  # noqa: E402,F401,E501  isort: skip
 
 __all__ = ["MODEL_ERRORS", "ReportSection", "Task", "TaskRun", "get_task", "register", "registered", "sections",
            "task_keys"]

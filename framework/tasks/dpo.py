@@ -10,7 +10,8 @@ Rows are tokenized as TRL's DPOTrainer does: the prompt, and the prompt followed
 completion gets the EOS token); the completion starts where the two token sequences part. A pair's chosen and
 rejected sequences go through the model in one forward pass (one batch, chosen rows then rejected rows), and
 each sequence's log-probability is the sum over its completion tokens only (``completion_logps``). Sequences
-are cut at ``data.max_length`` from the end; a pair left without completion tokens is dropped.
+are cut at ``data.max_length`` from the end; a pair left without completion tokens is dropped. The columns, the
+rows' checks, the tokenization and the batches are those of every task on pairs (framework/tasks/pairs.py).
 
 The reference model, for the losses that have one (sigmoid, ipo): a frozen copy of the starting weights on the
 accelerator's device (rebuilt from them on resume, so it is never in a checkpoint); with ``peft`` the trained
@@ -33,18 +34,17 @@ import torch
 import torch.nn.functional as F
 from datasets.fingerprint import Hasher
 
-from framework import data, templates
+from framework import data
 from framework.errors import UserError
 from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM, CausalRun
 from framework.tasks.completions import Reference, load_completion_model, target_logprobs
 from framework.tasks.language import IGNORE
-
-KEYS = ("dpo.prompt_column", "dpo.chosen_column", "dpo.rejected_column")
+from framework.tasks.pairs import PairCollator, PairColumns, PreferencePairs, tokenize_pair
 
 
 @dataclass
-class DpoConfig:
+class DpoConfig(PairColumns):
     """Preference tuning (``task: dpo``): the policy learns to prefer ``chosen`` over ``rejected`` completions."""
 
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
@@ -62,12 +62,6 @@ class DpoConfig:
     host, cached with the tokenized data), so that training holds one model and runs one forward per step.
     false: a frozen copy of the starting weights (with ``peft``: the same model with its adapter off) runs
     beside the policy at every step."""
-    prompt_column: str = "prompt"
-    """The column holding the prompt (a string, or a conversation: a list of {role, content})."""
-    chosen_column: str = "chosen"
-    """The column holding the preferred completion of ``prompt_column`` (a string or a conversation)."""
-    rejected_column: str = "rejected"
-    """The column holding the dispreferred completion of ``prompt_column`` (a string or a conversation)."""
 
 
 def completion_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor], chunk: Optional[int] = None,
@@ -104,7 +98,7 @@ def pair_losses(dpo, logps: torch.Tensor, counts: torch.Tensor,
 
 
 @register("dpo")
-class DPO(CausalLM):
+class DPO(PreferencePairs, CausalLM):
     metric = "reward_accuracy"
     options = ("dpo", DpoConfig)
     moved_from_data = ("prompt_column", "chosen_column", "rejected_column")
@@ -134,37 +128,6 @@ class DPO(CausalLM):
     def metric_names(self):
         return ("loss", "reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected")
 
-    def columns(self, cfg) -> Dict[str, str]:
-        d = cfg.dpo
-        return dict(zip(KEYS, (d.prompt_column, d.chosen_column, d.rejected_column)))
-
-    def keep_row(self, cfg):
-        """Every row must be usable: a bad one stops the run with its prompt in the message."""
-        columns = self.columns(cfg)
-
-        def check(row) -> bool:
-            prompt = row[columns["dpo.prompt_column"]]
-            where = f"the row with prompt {_short(prompt)}"
-            if not isinstance(prompt, (str, list)):
-                raise UserError(f"dpo.prompt_column: {where}: the prompt is {type(prompt).__name__}, not a string "
-                                "or a conversation (a list of {role, content}); fix or remove the row")
-            values = {key: row[columns[key]] for key in KEYS[1:]}
-            kinds = {key: templates.maybe_conversation(value, f"{key}: {where}") is not None if isinstance(value, (str, list))
-                     else None for key, value in {"dpo.prompt_column": prompt, **values}.items()}
-            for key, value in values.items():
-                if kinds[key] is None or not _content(value).strip():
-                    raise UserError(f"{key}: {where}: the completion '{columns[key]}' is empty (or not a string or a "
-                                    "conversation); every pair needs two completions: fix or remove the row")
-            if len(set(kinds.values())) > 1:
-                raise UserError(f"dpo.prompt_column: {where}: the prompt and completions mix text and "
-                                "conversations; make all three text, or all three conversations")
-            if values["dpo.chosen_column"] == values["dpo.rejected_column"]:
-                raise UserError(f"dpo.chosen_column: {where}: chosen equals rejected ({_short(values[KEYS[1]])}), "
-                                "which teaches nothing; fix or remove the row")
-            return True
-
-        return check
-
     def load(self, cfg, train, evaluation):
         return load_completion_model(self, cfg)
 
@@ -183,7 +146,7 @@ class DPO(CausalLM):
         """Rows -> each pair's chosen and rejected token sequences, where its completion starts, and its
         length; with ``dpo.precompute_reference``, the reference log-probabilities of both."""
         columns = self.columns(cfg)
-        prompt_col, chosen_col, rejected_col = (columns[k] for k in KEYS)
+        prompt_col, chosen_col, rejected_col = (columns[k] for k in self.pair_keys())
         length = cfg.data.max_length
 
         def tokenize(batch):
@@ -285,47 +248,6 @@ class DpoRun(CausalRun):
                 "pairs": int(len(chosen))}
 
 
-class PairCollator:
-    """Pairs -> one batch of 2 x pairs rows (every chosen sequence, then every rejected one), padded to the
-    longest (or to the smallest bucket that fits: static shapes); labels are the completion tokens only."""
-
-    def __init__(self, pad_id: int, buckets: Optional[List[int]], rows: Optional[int] = None):
-        self.pad_id, self.buckets, self.rows = pad_id, buckets, rows
-
-    def __call__(self, features: List[Dict]) -> Dict[str, torch.Tensor]:
-        features, real = data.fill_rows(features, self.rows)
-        sequences = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
-        starts = [f["prompt_length"] for f in features] * 2
-        length = data.padded_length(max(len(ids) for ids in sequences), self.buckets)
-        input_ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-        labels = torch.full((len(sequences), length), IGNORE, dtype=torch.long)
-        for i, (ids, start) in enumerate(zip(sequences, starts)):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            attention_mask[i, :len(ids)] = 1
-            labels[i, start:len(ids)] = input_ids[i, start:len(ids)]
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if "ref_chosen_logps" in features[0]:
-            batch["reference_logps"] = torch.tensor([f["ref_chosen_logps"] for f in features]
-                                                    + [f["ref_rejected_logps"] for f in features], dtype=torch.float32)
-        if self.rows is not None:
-            batch["valid"] = torch.arange(self.rows) < real
-        return batch
-
-
-def tokenize_pair(tokenizer, prompt, chosen, rejected) -> Tuple[int, List[List[int]]]:
-    """(where the completions start, [prompt + chosen ids, prompt + rejected ids]) as TRL's DPOTrainer tokenizes
-    them (``templates.prompt_completion_tokens``: text with EOS after the completion, conversations through the chat
-    template); the completions start where the prompt ends in both (the shorter of their common prefixes with
-    the tokenized prompt, as TRL takes it)."""
-    where = f"the row with prompt {_short(prompt)}"
-    if templates.maybe_conversation(prompt, where) is not None and not tokenizer.chat_template:
-        templates.use_template(tokenizer, None, needed=True)  # the error that names data.chat_template
-    pairs = [templates.prompt_completion_tokens(tokenizer, prompt, c, where) for c in (chosen, rejected)]
-    start = min(len(ids) - sum(mask) for ids, mask in pairs)
-    return start, [ids for ids, _ in pairs]
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     """A SHA-256 of every weight (names, dtypes, values): what cached reference log-probabilities depend on."""
     digest = hashlib.sha256()
@@ -333,16 +255,3 @@ def weights_digest(model: torch.nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _content(value) -> str:
-    """The text of a completion: a string, or a conversation's message contents."""
-    if isinstance(value, str):
-        return value
-    return "".join(str(m.get("content") or "") if isinstance(m, dict) else "" for m in value)
-
-
-def _short(value) -> str:
-    text = _content(value) if isinstance(value, (str, list)) else str(value)
-    return repr(text if len(text) <= 60 else text[:57] + "...")
-

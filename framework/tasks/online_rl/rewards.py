@@ -13,6 +13,8 @@ per completion. ``SECTION.reward_functions`` names them (``grpo.reward_functions
   stripped), else 0.0;
 - ``numeric``: 1.0 where the last number in the completion equals the ``SECTION.answer_column`` number, else 0.0;
 - ``regex``: 1.0 where the completion's text, stripped, matches ``SECTION.regex`` as a whole, else 0.0;
+- ``model:PATH``: a trained reward model's score (a sequence classifier with one output, such as a ``reward_model``
+  run's ``model/``; framework/tasks/online_rl/reward_models.py);
 - ``path/to/file.py:function`` or ``package.module:function``: the user's own.
 
 Everything the user can get wrong ends as a UserError naming the function (and the row where there is one):
@@ -33,6 +35,7 @@ import torch
 
 from framework import templates
 from framework.errors import UserError
+from framework.tasks.online_rl import reward_models
 from framework.user_code import module_of
 
 BUILTIN = ("exact_match", "numeric", "regex")
@@ -140,9 +143,10 @@ class RewardFunction:
                         "completions (no single row raises it alone)") from None
 
 
-def load(specs: Sequence[str], answer_column: Optional[str], pattern: Optional[str], key: str) -> List[RewardFunction]:
-    """The reward functions the recipe names under ``key``, built or imported (a missing one is a UserError naming
-    it)."""
+def load(specs: Sequence[str], answer_column: Optional[str], pattern: Optional[str], key: str,
+         accelerator=None) -> List[RewardFunction]:
+    """The reward functions the recipe names under ``key``, built, loaded (reward models, on ``accelerator``'s
+    device) or imported (a missing one is a UserError naming it)."""
     functions = []
     for spec in specs:
         if spec == "exact_match":
@@ -151,6 +155,8 @@ def load(specs: Sequence[str], answer_column: Optional[str], pattern: Optional[s
             function = numeric(answer_column, key)
         elif spec == "regex":
             function = regex(pattern)
+        elif reward_models.is_model(spec):
+            function = reward_models.ModelReward(spec, key, accelerator)
         else:
             function = _import(spec, key)
         functions.append(RewardFunction(spec, function, key))
@@ -158,7 +164,8 @@ def load(specs: Sequence[str], answer_column: Optional[str], pattern: Optional[s
 
 
 def _import(spec: str, key: str) -> Callable:
-    fix = f"name a built-in ({', '.join(BUILTIN)}), path/to/file.py:function or package.module:function"
+    fix = (f"name a built-in ({', '.join(BUILTIN)}), model:PATH (a reward model), path/to/file.py:function or "
+           "package.module:function")
     if not spec.rpartition(":")[0] or not spec.rpartition(":")[2]:
         raise UserError(f"{key}: {spec!r} is not a reward function; {fix}")
     module, name = module_of(spec, key, fix, "framework_user_reward_")
@@ -180,10 +187,14 @@ class Rewards:
 
     def __init__(self, settings, section: str, tokenizer, accelerator):
         self.key = f"{section}.reward_functions"
-        self.functions = load(settings.reward_functions, settings.answer_column, settings.regex, self.key)
+        self.functions = load(settings.reward_functions, settings.answer_column, settings.regex, self.key, accelerator)
         w = settings.reward_weights
         self.weights = torch.tensor(w if w is not None else [1.0] * len(self.functions), dtype=torch.float32)
         self.prompt_column, self.tokenizer, self.accelerator = settings.prompt_column, tokenizer, accelerator
+
+    def models(self) -> List[torch.nn.Module]:
+        """The reward models among them (``model:PATH``), frozen beside the trained model."""
+        return reward_models.models(f.function for f in self.functions)
 
     def total(self, per_function: torch.Tensor) -> torch.Tensor:
         """Each completion's weighted reward."""

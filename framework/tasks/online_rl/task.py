@@ -29,7 +29,7 @@ from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM
 from framework.tasks.completions import Reference, completion_tokenizer, load_completion_model, target_logprobs
 from framework.tasks.language import LanguageRun
-from framework.tasks.online_rl import generator, rewards, sampling
+from framework.tasks.online_rl import generator, reward_models, rewards, sampling
 from framework.tasks.online_rl.rollout import PROMPT_IDS, PromptCollator, prepare_prompts
 from framework.tasks.online_rl.step import OnlineStep
 
@@ -43,7 +43,8 @@ class OnlineConfig:
 
     reward_functions: List[str] = field(default_factory=list)
     """The rewards, summed with ``reward_weights``: built-in ``exact_match``, ``numeric`` (against
-    ``answer_column``), ``regex`` (``regex``), or the user's ``path/to/file.py:function`` /
+    ``answer_column``), ``regex`` (``regex``), a trained reward model ``model:PATH`` (a sequence classifier with one
+    output: a ``reward_model`` run's model/), or the user's ``path/to/file.py:function`` /
     ``package.module:function`` with TRL's signature f(prompts, completions, completion_ids, **columns) -> list
     of float or None (framework/tasks/online_rl/rewards.py)."""
     reward_weights: Optional[List[float]] = None
@@ -113,7 +114,10 @@ class OnlineRL(CausalLM):
         g, key = self.settings(cfg), self.section
         if not g.reward_functions:
             problems.append(f"{key}.reward_functions: name at least one reward function (exact_match, numeric, regex, "
-                            "path/to/file.py:function or package.module:function)")
+                            "model:PATH, path/to/file.py:function or package.module:function)")
+        for spec in g.reward_functions:
+            if reward_models.is_model(spec):
+                problems += reward_models.check(spec, f"{key}.reward_functions")
         if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_functions):
             problems.append(f"{key}.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_functions)} "
                             "reward functions; give one per function")
@@ -230,12 +234,13 @@ class OnlineRun(LanguageRun):
         self.synced = (backend.is_fsdp2(accelerator) or backend.is_zero3(accelerator)) and accelerator.num_processes > 1
 
     def workload(self, model):
-        """As a language model's, and the step's generation: every completion of its micro-batches at once."""
+        """As a language model's, and the step's generation: every completion of its micro-batches at once; the frozen
+    models: the reference and the reward models."""
         g, t = self.settings, self.cfg.train
         return dataclasses.replace(super().workload(model), sequences=g.num_generations,
                                    generated_rows=t.batch_size * t.gradient_accumulation_steps * g.num_generations,
                                    generated_length=self.task.sequence_length(self.cfg, model),
-                                   frozen=self.reference.models() if self.reference else [])
+                                   frozen=(self.reference.models() if self.reference else []) + self.rewards.models())
 
     def generate(self, model: torch.nn.Module, prompts: List[List[int]], seeds: List[int],
                  greedy: bool = False) -> List[List[int]]:
