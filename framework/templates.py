@@ -99,6 +99,9 @@ BUILTIN = {"chatml": Builtin(CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>
            "chatml-tools": Builtin(CHATML_TOOLS, ("<|im_start|>", "<|im_end|>"), "<|im_end|>",
                                    (TOOL_CALL_START, TOOL_CALL_END))}
 KEY = "data.chat_template"
+# On a model whose embeddings ``resize_embeddings`` grew: the new rows' ids, which adapters train (an attribute of
+# the loaded model, read by framework/adapters.py before peft wraps it; never saved).
+NEW_ROWS = "_framework_new_token_rows"
 RENDER_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError)  # a template that cannot render a row
 TOOLS_HINT = f"set {KEY} to a template that renders tools and tool calls, such as the built-in chatml-tools"
 
@@ -143,9 +146,38 @@ def end_of_turn_ids(tokenizer, name: Optional[str]) -> List[int]:
 
 
 def resize_embeddings(model, tokenizer) -> None:
-    """Grow the model's token embeddings (and tied output layer) to the tokenizer's vocabulary, if smaller."""
-    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
+    """Grow the model's token embeddings (and output layer, tied or not) to the tokenizer's vocabulary, if smaller.
+    Each new row starts as the mean of the rows of the pieces its token's text is made of without it
+    (``</tool_call>``: ``</``, ``tool``, ``_``, ``call``, ``>`` in SmolLM2's vocabulary), or of every old row where
+    it has none: deterministic, and distinct from the other new rows, where transformers' default (the old rows'
+    mean, plus noise scaled by 1e-9) makes them all one vector, so that a model whose rows stay frozen (an adapter)
+    can never tell ``<tool_call>`` from ``</tool_call>``. The new rows' ids are marked on the model (``NEW_ROWS``):
+    adapters train those rows (framework/adapters.py)."""
+    old = model.get_input_embeddings().weight.shape[0]
+    if old >= len(tokenizer):
+        return
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    weights = [model.get_input_embeddings().weight]
+    out = model.get_output_embeddings()
+    if out is not None and out.weight is not weights[0] and out.weight.shape[0] == len(tokenizer):
+        weights.append(out.weight)
+    for row in range(old, len(tokenizer)):
+        pieces = [i for i in text_pieces(tokenizer, tokenizer.convert_ids_to_tokens(row)) if i < old]
+        for weight in weights:
+            weight.data[row] = weight.data[pieces].mean(0) if pieces else weight.data[:old].mean(0)
+    setattr(model, NEW_ROWS, list(range(old, len(tokenizer))))
+
+
+def text_pieces(tokenizer, text: str) -> List[int]:
+    """The ids ``text`` is tokenized into as if it were not one of the tokenizer's added tokens: its normalizer,
+    pre-tokenizer and model alone (a fast tokenizer's; none for a slow one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return []
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+    return [token.id for word, _ in words for token in backend.model.tokenize(word)]
 
 
 def conversation(value: Any, where: str) -> List[Dict[str, Any]]:

@@ -330,6 +330,80 @@ def test_sft_trains_on_tool_conversations_through_the_cli(tool_data, hf_home, tm
     capsys.readouterr()
 
 
+def test_new_token_rows_start_from_their_pieces(tmp_path):
+    """The rows chatml-tools adds to a pretrained model start as the mean of the rows of the pieces their text is
+    (distinct, deterministic), and are marked for the adapters to train."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from framework import templates
+
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_head=2, n_embd=16, n_positions=64))
+    old = model.get_input_embeddings().weight.detach().clone()
+    templates.use_template(tokenizer, "chatml-tools")
+    templates.resize_embeddings(model, tokenizer)
+    weight = model.get_input_embeddings().weight.detach()
+    assert getattr(model, templates.NEW_ROWS) == list(range(len(old), len(old) + 4)) == tokenizer.convert_tokens_to_ids(
+        ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
+    assert torch.equal(weight[:len(old)], old) and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    pieces = {"<tool_call>": ["<", "tool", "_", "call", ">"], "</tool_call>": ["</", "tool", "_", "call", ">"]}
+    for token, text in pieces.items():
+        ids = tokenizer.convert_tokens_to_ids(text)
+        torch.testing.assert_close(weight[tokenizer.convert_tokens_to_ids(token)], old[ids].mean(0))
+    assert (weight[-1] - weight[-2]).norm() > 0.1 * weight[-1].norm()
+
+
+def test_lora_trains_the_new_token_rows(tool_data, hf_home, tmp_path, capsys, recwarn):
+    """LoRA on a pretrained model that chatml-tools gives four new tokens: their embedding rows (tied to the output
+    layer) train beside the adapters and every other row stays. Frozen, a new row (the mean of its pieces' rows)
+    could never be a greedy choice, and every answer ends with one (<|im_end|>), so no held-out answer would be
+    reproduced; trained, they win greedy choices."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+
+    from framework import templates
+
+    tokenizer_path, _ = tool_data
+    base = tmp_path / "base"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=512, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "lora"
+    args = tool_args(tool_data, out, "model.config=null", f"model.name_or_path={base}", "peft.r=8", "peft.merge=true",
+                     "peft.target_modules=all-linear", "train.max_steps=12", "train.batch_size=4", "optim.lr=1e-2")
+    assert run_main(args, hf_home) == 0
+    capsys.readouterr()
+    assert [str(w.message) for w in recwarn if "save_embedding_layers" in str(w.message)] == []
+    summary = json.loads((out / "summary.json").read_text())
+    before = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight.detach()
+    after = AutoModelForCausalLM.from_pretrained(out / "model").get_input_embeddings().weight.detach()
+    saved = AutoTokenizer.from_pretrained(out / "model")
+    assert after.shape[0] == len(before) + 4 and torch.equal(after[:len(before)], before)
+    for token in ("<|im_end|>", "<tool_call>", "</tool_call>"):
+        row = saved.convert_tokens_to_ids(token)
+        assert not torch.allclose(after[row], before[templates.text_pieces(saved, token)].mean(0)), token
+    # Where a conversation's targets are new tokens, the tuned model's greedy choice is the new token (a frozen row,
+    # the mean of its pieces' rows, scores the mean of their scores: never above the best of them).
+    tuned = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    row = multiplications(8, seed=1)
+    new_rows = set(range(len(before), len(after)))
+    won = 0
+    for conversation in row:
+        ids, mask = templates.conversation_tokens(saved, templates.conversation(conversation["messages"], "r"), "r",
+                                                  conversation["tools"])
+        with torch.no_grad():
+            greedy = tuned(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        won += sum(1 for t in range(1, len(ids)) if mask[t] and ids[t] in new_rows and greedy[t - 1] == ids[t])
+    print(f"LoRA + new rows: trainable {summary['memory']['trainable_parameters']}, eval {summary['eval']}, "
+          f"new-token targets predicted: {won}")
+    assert won > 0
+    # LoRA r 8 on GPT-2's c_attn, attention c_proj, c_fc and MLP c_proj (2 layers), and the 4 new rows of 32.
+    assert summary["memory"]["trainable_parameters"] == 2 * 8 * (32 + 96 + 32 + 32 + 32 + 128 + 128 + 32) + 4 * 32
+
+
 @pytest.mark.parametrize("rows,overrides,message", [
     ([{"messages": [user("hi"), said("yo")], "tools": [{"type": "function", "function": {"description": "no name"}}]}],
      [], "sft.tools_column, the row"),
