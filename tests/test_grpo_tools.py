@@ -231,11 +231,12 @@ def test_the_completion_budget_counts_tool_tokens(monkeypatch):
 def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_masked(hf_home, tool_tokenizer,
                                                                                   tool_prompts, tmp_path,
                                                                                   monkeypatch):
-    """One GRPO step with the calculator and an environment (reset's observation appended to each prompt, its
-    method a tool, its get_reward a reward) on a tiny random model: the micro-batches the update trains on hold,
-    per rollout, its prompt and exactly the loop's completion, the targets are the sampled tokens alone, and the
-    rollouts take several turns (the model's calls are malformed: counted failures). The metrics log the tool
-    frequencies and the environment's reward under its class name."""
+    """One GRPO step (2 iterations) with the calculator and an environment (reset's observation appended to each
+    prompt, its method a tool, its get_reward a reward) on a tiny random model: the micro-batches the update trains
+    on hold, per rollout, its prompt and exactly the loop's completion, the targets are the sampled tokens alone,
+    the log-probabilities recorded before the updates equal the first update's (1e-5), and the rollouts take
+    several turns (the model's calls are malformed: counted failures). The metrics log the tool frequencies and the
+    environment's reward under its class name."""
     from framework import train
     from framework.losses import IGNORE
     from framework.recipe import load_config
@@ -244,7 +245,7 @@ def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_maske
     environment = tmp_path / "counter.py"
     environment.write_text(ENVIRONMENT)
     out_dir = tmp_path / "out"
-    cfg = load_config(TINY_GRPO, tool_args(tool_tokenizer, tool_prompts, out_dir,
+    cfg = load_config(TINY_GRPO, tool_args(tool_tokenizer, tool_prompts, out_dir, "grpo.iterations=2",
                                            f"grpo.environment={environment}:Counter")[2:])
     generated, trained = [], []
     with fresh_process(hf_home):
@@ -257,8 +258,10 @@ def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_maske
             return result
 
         def recording_logprobs(model, batch, with_entropy=False):
-            trained.append({k: v.clone() for k, v in batch.items() if k in ("input_ids", "targets", "attention_mask")})
-            return logprobs(model, batch, with_entropy)
+            out = logprobs(model, batch, with_entropy)
+            trained.append({**{k: v.clone() for k, v in batch.items() if k in ("input_ids", "targets", "attention_mask")},
+                            "grad": torch.is_grad_enabled(), "logps": (out[0] if with_entropy else out).detach().clone()})
+            return out
 
         monkeypatch.setattr(run.task, "rollouts", recording_rollouts)
         monkeypatch.setattr(run.task, "logprobs", recording_logprobs)
@@ -267,7 +270,11 @@ def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_maske
         result = run.train_step(run.context, [next(batches)])
     (out, rows), = generated
     assert isinstance(out, multi_turn.Rollouts) and len(out.completions) == 4 * 4
+    assert [call["grad"] for call in trained] == [False, True, True]  # recorded, then 2 updates (grpo.iterations)
     batch = trained[0]
+    mask = batch["targets"] != IGNORE
+    worst = (trained[0]["logps"] - trained[1]["logps"])[mask].abs().max().item()
+    assert worst <= 1e-5  # the log-probabilities recorded before the updates are the first update's
     inserted_tokens = 0
     for i, (prompt, completion, sampled) in enumerate(zip(out.prompts, out.completions, out.sampled)):
         n = len(prompt) + len(completion)
@@ -287,8 +294,25 @@ def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_maske
     expected_reward = sum(len(row["answer"]) / 10 for row in rows) / 16
     assert metrics["rewards/Counter/mean"] == pytest.approx(expected_reward)
     assert metrics["completions/mean_length"] == pytest.approx(sum(map(sum, out.sampled)) / 16)
-    print(f"tools run: {sum(out.calls)} calls, {sum(out.failures)} failed, {inserted_tokens} inserted tokens; "
+    print(f"tools run: {sum(out.calls)} calls, {sum(out.failures)} failed, {inserted_tokens} inserted tokens; recorded "
+          f"vs training log-probabilities max |diff| {worst:.1e}; "
           f"{ {k: round(v, 4) for k, v in metrics.items() if k.startswith(('tools', 'rewards'))} }")
+
+
+def test_rloo_runs_the_same_tool_loop(hf_home, tool_tokenizer, tool_prompts, tmp_path):
+    """The tools are the online-RL package's, so RLOO (its sequence-level loss over the same targets) trains with
+    them too: its step logs tool calls, and its evaluation the tool figures."""
+    from helpers import TINY_RLOO
+
+    out = tmp_path / "rloo"
+    args = ["--config", str(TINY_RLOO), f"model.tokenizer={tool_tokenizer}", f"data.train_file={tool_prompts}",
+            f"output_dir={out}", "data.chat_template=chatml-tools", "rloo.reward_functions=[numeric]",
+            "rloo.answer_column=answer", f"rloo.tools=[{CALCULATOR}:multiply]", "rloo.max_completion_length=64",
+            "model.config.n_positions=96", "train.max_steps=1", "train.batch_size=4"]
+    assert run_main(args, hf_home) == 0
+    record, = [r for r in read_metrics(out) if "loss" in r]
+    assert record["tools/call_frequency"] > 0 and record["tools/failure_frequency"] == 1.0  # random calls: malformed
+    assert {"tools/call_frequency", "tools/failure_frequency"} <= summary(out)["eval"].keys()
 
 
 def test_a_row_draws_the_same_multi_turn_rollout_alone_or_in_a_batch(hf_home, tool_tokenizer, tool_prompts, tmp_path):
