@@ -439,12 +439,17 @@ def test_the_loss_with_a_tool_mask_equals_trl(trl_trainer):  # noqa: F811 (the f
                                               "'no_docstring'"),
     (f"grpo.tools=[{CALCULATOR}:divide]", f"grpo.tools: '{CALCULATOR}:divide': {CALCULATOR} has no 'divide'"),
     (f"grpo.environment={__file__}:Script", f"grpo.environment: '{__file__}:Script' has no reset method"),
-    ("data.chat_template=chatml", "data.chat_template: the tokenizer splits </tool_call> into several tokens"),
+    ("data.chat_template=chatml", "data.chat_template: the chat template ignores the tools of grpo.tools"),
+    ("data.chat_template={template}", "data.chat_template: the tokenizer splits </tool_call> into several tokens"),
 ])
 def test_a_bad_tool_key_exits_2_naming_it(hf_home, tool_tokenizer, tool_prompts, tmp_path, override, message):
     """A tool file that does not exist, a function without a docstring (no schema), a missing function, an
-    environment without reset, a template without the call tokens: exit 2 before training, one error line naming
-    the key."""
+    environment without reset, a template that ignores tools (chatml), chatml-tools' text as a file (the tokenizer
+    then lacks the call tokens): exit 2 before training, one error line naming the key."""
+    from framework.templates import CHATML_TOOLS
+
+    (tmp_path / "template.jinja").write_text(CHATML_TOOLS)
+    override = override.format(template=tmp_path / "template.jinja")
     out = tmp_path / "out"
     proc = run_captured(tool_args(tool_tokenizer, tool_prompts, out, override), hf_home)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -200,6 +200,11 @@ class OnlineRL(CausalLM):
         """The prompts' tokens, with the tools' schemas listed where the section names tools (imported now: a
         mistake in them stops the run before it trains)."""
         schemas = tools.Toolbox(self.settings(cfg), self.section).schemas
+        if schemas:  # a template that renders the tools or the calls as if they were not there is refused
+            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+            templates.check_tool_support(tokenizer, [{"role": "user", "content": "?"},
+                                                     {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                         schemas, f"{self.section}.tools")
         return prepare_prompts(ds, tokenizer, self.settings(cfg).prompt_column, cfg.data.max_length,
                                f"{self.section}.prompt_column", schemas)
 
