@@ -91,8 +91,8 @@ def tool_prompts(tmp_path_factory) -> Path:
 def tool_args(tokenizer: Path, data: Path, out: Path, *extra: str) -> list:
     return ["--config", str(TINY_GRPO), f"model.tokenizer={tokenizer}", f"data.train_file={data}", f"output_dir={out}",
             "data.chat_template=chatml-tools", "grpo.reward_functions=[numeric]", "grpo.answer_column=answer",
-            f"grpo.tools=[{CALCULATOR}:multiply]", "grpo.max_completion_length=64", "model.config.n_positions=96", "grpo.max_tool_calls=3",
-            "train.max_steps=1", "train.batch_size=4", *extra]
+            f"grpo.tools=[{CALCULATOR}:multiply]", "grpo.max_completion_length=64", "model.config.n_positions=96",
+            "grpo.max_tool_calls=3", "train.max_steps=1", "train.batch_size=4", *extra]
 
 
 # ---------------------------------------------------------------- the loop, its sampling scripted
@@ -259,8 +259,9 @@ def test_a_run_trains_on_the_sampled_and_inserted_tokens_with_the_inserted_maske
 
         def recording_logprobs(model, batch, with_entropy=False):
             out = logprobs(model, batch, with_entropy)
-            trained.append({**{k: v.clone() for k, v in batch.items() if k in ("input_ids", "targets", "attention_mask")},
-                            "grad": torch.is_grad_enabled(), "logps": (out[0] if with_entropy else out).detach().clone()})
+            kept = {k: v.clone() for k, v in batch.items() if k in ("input_ids", "targets", "attention_mask")}
+            logps = (out[0] if with_entropy else out).detach().clone()
+            trained.append({**kept, "grad": torch.is_grad_enabled(), "logps": logps})
             return out
 
         monkeypatch.setattr(run.task, "rollouts", recording_rollouts)

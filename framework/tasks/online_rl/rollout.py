@@ -63,8 +63,8 @@ def prepare_prompts(ds, tokenizer, column: str, length: int, key: str, tools: Op
 
     def tokenize(batch, indices):
         out = dict(batch)
-        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {templates.snippet(prompt)}", tools)[-length:]
-                           for prompt in batch[column]]
+        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {templates.snippet(prompt)}",
+                                      tools)[-length:] for prompt in batch[column]]
         out[INDEX] = [row_key({k: v[i] for k, v in batch.items()}) for i in range(len(indices))] if streamed \
             else indices
         return out

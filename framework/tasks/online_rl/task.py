@@ -273,7 +273,8 @@ class OnlineRun(LanguageRun):
                 if observation is not None:
                     where = f"{self.section}.prompt_column: the prompt {templates.snippet(row[column])}"
                     prompt = multi_turn.with_observation(templates.maybe_conversation(row[column], where), observation)
-                    prompts[i] = prompt_ids(self.tokenizer, prompt, where, self.toolbox.schemas)[-self.cfg.data.max_length:]
+                    ids = prompt_ids(self.tokenizer, prompt, where, self.toolbox.schemas)
+                    prompts[i] = ids[-self.cfg.data.max_length:]
             rows = [{**row, "environments": environment} for row, environment in zip(rows, environments)]
         return self.tool_loop.generate(model, prompts, seeds, environments, greedy), rows
 
@@ -297,7 +298,8 @@ class OnlineRun(LanguageRun):
         total = self.rewards.total(per_function[:shown]).tolist()
         prompt = self.tokenizer.decode(prompts[0])
         # With tools, the tool turns show as the template marks them (their headers are special tokens).
-        return [{"prompt": prompt, "completion": self.tokenizer.decode(completions[j], skip_special_tokens=not self.toolbox),
+        marked = bool(self.toolbox)
+        return [{"prompt": prompt, "completion": self.tokenizer.decode(completions[j], skip_special_tokens=not marked),
                  "reward": number(total[j]), "advantage": number(float(advantage[j])),
                  "rewards": {f.name: number(v) for f, v in zip(self.rewards.functions, per_function[j].tolist())}}
                 for j in range(shown)]
