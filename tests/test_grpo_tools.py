@@ -377,6 +377,27 @@ def test_two_processes_and_accumulation_equal_one_with_tools(cli, hf_home, tool_
           "eval:", evaluated["one"])
 
 
+def test_a_killed_tools_run_resumes_bitwise(hf_home, tool_tokenizer, tool_prompts, tmp_path):
+    """With the calculator and an environment: killed (SIGKILL) after step 1's checkpoint, the same command ends
+    with the uninterrupted run's weights, losses, rewards and tool figures, to the last bit (the rollouts are keyed
+    by example, the environments fresh per rollout)."""
+    from helpers import assert_bitwise_equal_models, crash_then_resume, losses_by_step
+
+    environment = tmp_path / "counter.py"
+    environment.write_text(ENVIRONMENT)
+    args = ["train.max_steps=3", "checkpoint.every_steps=1", "grpo.max_completion_length=48",
+            f"grpo.environment={environment}:Counter"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main(tool_args(tool_tokenizer, tool_prompts, whole, *args), hf_home) == 0
+    proc = crash_then_resume(hf_home, tool_args(tool_tokenizer, tool_prompts, resumed, *args), kill_at_micro=2)
+    assert "resuming from" in proc.stdout and "step_1" in proc.stdout
+    assert_bitwise_equal_models(whole, resumed)
+    assert losses_by_step(resumed) == losses_by_step(whole)
+    for key in ("reward", "tools/call_frequency", "tools/failure_frequency", "rewards/Counter/mean"):
+        assert [r[key] for r in read_metrics(resumed) if "loss" in r] == \
+            [r[key] for r in read_metrics(whole) if "loss" in r], key
+
+
 def test_the_loss_with_a_tool_mask_equals_trl(trl_trainer):  # noqa: F811 (the fixture imported above)
     """TRL 1.16's ``_compute_loss`` given ``tool_mask`` (0 on inserted tokens) and ours given the same tokens with
     those tokens out of the targets: loss and gradients equal within 1e-5 (dapo and grpo)."""
