@@ -151,10 +151,10 @@ def call(name: str, **arguments) -> str:
 
 
 def test_the_loop_inserts_the_tool_turns_and_counts_every_mistake(monkeypatch):
-    """Six rollouts, their samples scripted: each completion is its sampled segments and, after each sampled
-    ``</tool_call>``, exactly ``tool_turn_ids`` of the results (the multiply's product; errors for a malformed call,
-    an unknown tool, a tool that raises, one that times out); the sampled mask is 1 on the segments, 0 on the
-    inserted tokens; a call after max_tool_calls ends the rollout unrun."""
+    """Seven rollouts, their samples scripted: each completion is its sampled segments and, after each sampled
+    ``</tool_call>``, exactly ``tool_turn_ids`` of the results (the multiply's product; errors for malformed calls,
+    an unknown tool, arguments the tool does not take, a tool that raises, one that times out); the sampled mask is
+    1 on the segments, 0 on the inserted tokens; a call after max_tool_calls ends the rollout unrun."""
     from framework import templates
     from framework.tasks.online_rl.multi_turn import Rollouts
 
@@ -168,6 +168,7 @@ def test_the_loop_inserts_the_tool_turns_and_counts_every_mistake(monkeypatch):
         [call("broken", a=1), call("slow", a=1), "1" + end],
         [call("multiply", a=1, b=1)] * 5,  # more calls than max_tool_calls
         ["12" + end],  # no call
+        ["12</tool_call>", call("multiply", c=1), "12" + end],  # no opening tag; an argument multiply does not take
     ]
     started = time.perf_counter()
     out, script = loop(tokenizer, monkeypatch, turns, "broken", "slow", max_tool_calls=3)
@@ -181,9 +182,11 @@ def test_the_loop_inserts_the_tool_turns_and_counts_every_mistake(monkeypatch):
         [[error % "broken on purpose"], [error % "Tool slow timed out after 0.5 s."]],
         [["1"], ["1"], ["1"]],
         [],
+        [[error % "malformed tool call: no <tool_call> before its </tool_call>"],
+         [error % "multiply() got an unexpected keyword argument 'c'"]],
     ]
     names = [[["multiply"]], [["multiply", "multiply"], ["nope"]], [["tool"], ["tool"]], [["broken"], ["slow"]],
-             [["multiply"]] * 3, []]
+             [["multiply"]] * 3, [], [["tool"], ["multiply"]]]
     for r, (segments, row_results, row_names) in enumerate(zip(turns, results, names)):
         expected, sampled = [], []
         for t, segment in enumerate(segments[:len(row_results) + 1]):
@@ -198,13 +201,13 @@ def test_the_loop_inserts_the_tool_turns_and_counts_every_mistake(monkeypatch):
         assert out.sampled[r] == sampled, r
         assert out.prompts[r] == script.ids(f"{r} what is 3 x 4?")
     assert isinstance(out, Rollouts)
-    assert out.calls == [1, 3, 2, 2, 3, 0] and out.failures == [0, 1, 2, 2, 0, 0]
+    assert out.calls == [1, 3, 2, 2, 3, 0, 2] and out.failures == [0, 1, 2, 2, 0, 0, 2]
     # The rewards see the assistant's turns (their calls parsed) and the tool results, as TRL's messages.
     assert out.messages[0] == [
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
         {"role": "tool", "name": "multiply", "content": "12"}, {"role": "assistant", "content": "12"}]
-    assert [len(prompts) for prompts, _ in script.seen] == [6, 5, 4, 1]  # rows still going at each turn
+    assert [len(prompts) for prompts, _ in script.seen] == [7, 6, 5, 1]  # rows still going at each turn
 
 
 def test_the_completion_budget_counts_tool_tokens(monkeypatch):
