@@ -481,3 +481,16 @@ def test_a_bad_tool_key_exits_2_naming_it(hf_home, tool_tokenizer, tool_prompts,
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: " + message), errors
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_tools_under_a_sharded_strategy_are_refused_by_key(tool_tokenizer, tool_prompts, tmp_path, strategy):
+    """Each process's rollouts take their own number of turns, and a sharded model generates in lockstep: refused
+    by the recipe's checks, naming grpo.tools, before anything loads."""
+    from framework.errors import UserError
+    from framework.recipe import load_config
+
+    with pytest.raises(UserError) as refused:
+        load_config(TINY_GRPO, tool_args(tool_tokenizer, tool_prompts, tmp_path / "out",
+                                         f"distributed.strategy={strategy}")[2:])
+    assert "- grpo.tools: tools and environments do not run under FSDP or DeepSpeed yet" in str(refused.value)
