@@ -3,8 +3,12 @@ layers in 4-bit NF4 through bitsandbytes).
 
 ``check`` reports the recipe problems; ``apply`` wraps the loaded model; ``save`` writes ``model/`` (the adapter
 in peft's format, and with ``peft.merge`` a plain merged model that ``pipeline()`` loads without peft).
-The loop sees an ordinary module whose only trainable parameters are the adapters (and ``modules_to_save``):
-the optimizer is built over trainable parameters only, so gradients and optimizer state exist for them alone.
+The loop sees an ordinary module whose only trainable parameters are the adapters (and ``modules_to_save``, and
+the embedding rows of tokens a built-in chat template added, ``templates.NEW_ROWS``: peft's
+``trainable_token_indices``, the output layer's rows too where it is tied; frozen, a new row stays where
+``templates.resize_embeddings`` put it, and an adapter alone cannot make the model write a token whose output row
+is the mean of others'): the optimizer is built over trainable parameters only, so gradients and optimizer state
+exist for them alone.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from framework import backend, hub
+from framework import backend, hub, templates
 from framework.errors import UserError
 
 ADAPTER_DIR = "adapter"  # under model/, when model/ holds the merged model
@@ -76,7 +80,7 @@ def apply(model: torch.nn.Module, cfg, device_type: str, task_type: Optional[str
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
                             modules_to_save=list(p.modules_to_save) or None, task_type=task_type,
-                            fan_in_fan_out=conv1d)
+                            fan_in_fan_out=conv1d, trainable_token_indices=_new_rows(model, p.modules_to_save))
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
@@ -88,6 +92,17 @@ def apply(model: torch.nn.Module, cfg, device_type: str, task_type: Optional[str
     if os.path.isdir(name):
         model.peft_config["default"].base_model_name_or_path = str(Path(name).resolve())
     return model
+
+
+def _new_rows(model: torch.nn.Module, modules_to_save: List[str]) -> Optional[List[int]]:
+    """The embedding rows a built-in template's tokens added (``templates.NEW_ROWS``), trained beside the adapters;
+    None where there are none, or where ``modules_to_save`` trains the whole embedding already."""
+    rows = getattr(model, templates.NEW_ROWS, None)
+    embedding = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is embedding), "")
+    if not rows or any(name == w or name.endswith("." + w) for w in modules_to_save):
+        return None
+    return list(rows)
 
 
 def _kept_in_full(model: torch.nn.Module, modules_to_save: List[str]) -> set:
@@ -198,7 +213,10 @@ def save(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], tokenizer,
     into ``path``; with ``merge``, ``path`` holds the merged model instead and the adapter goes to
     ``path/adapter``. ``state_dict``: the full one on the host (from ``device.state_dict_for_save``)."""
     adapter_path = path / ADAPTER_DIR if merge else path
-    model.save_pretrained(adapter_path, state_dict=state_dict)
+    # Grown embeddings (a built-in template's tokens) are saved with the adapter, which cannot load on the base's
+    # vocabulary otherwise: said here, where peft would decide it itself with a warning on every run.
+    model.save_pretrained(adapter_path, state_dict=state_dict,
+                          save_embedding_layers=bool(getattr(model, templates.NEW_ROWS, None)))
     tokenizer.save_pretrained(path)
     if merge:
         merged(model, state_dict).save_pretrained(path)

@@ -13,7 +13,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import fsspec
@@ -271,18 +271,19 @@ def mix(parts: list, weights: List[float], seed: int):
 
 
 def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: Optional[Callable],
-                keep_other_columns: bool = False) -> Splits:
+                keep_other_columns: bool = False, optional: Sequence[str] = ()) -> Splits:
     """Read train and eval data, check the task's ``columns`` (recipe key -> column), drop the rows
     ``keep_row`` rejects, hold out ``eval_fraction`` of each source when there is no eval set (before mixing,
     so that a row a mix repeats is never both trained and evaluated on), mix the sources, and apply the
-    sample caps. The rows keep only the task's columns unless ``keep_other_columns`` (``Task.keeps_other_columns``)."""
+    sample caps. The rows keep only the task's columns, and those of ``optional`` a source has
+    (``Task.optional_columns``), unless ``keep_other_columns`` (``Task.keeps_other_columns``)."""
     evaluation, eval_name = read_eval(cfg)
     parts, held, weights = [], [], []
     for prefix, source in train_sources(cfg):
         rows, name = read_source(prefix, source, cfg)
         rows = _clean(rows, columns, keep_row, name, cfg)
         if not keep_other_columns:
-            rows = rows.select_columns(list(columns.values()))
+            rows = rows.select_columns(kept_columns(rows.column_names, columns, optional))
         if evaluation is None:
             if len(rows) < 2:
                 raise UserError(f"{name} has {len(rows)} usable row(s); too few to hold out an eval set")
@@ -298,6 +299,12 @@ def load_splits(cfg: DataConfig, seed: int, columns: Dict[str, str], keep_row: O
     if cfg.max_eval_samples:
         evaluation = evaluation.select(range(min(cfg.max_eval_samples, len(evaluation))))
     return Splits(train, evaluation)
+
+
+def kept_columns(present: Sequence[str], columns: Dict[str, str], optional: Sequence[str]) -> List[str]:
+    """The task's columns, then those of ``optional`` that are ``present``."""
+    names = list(columns.values())
+    return names + [c for c in dict.fromkeys(optional) if c in present and c not in names]
 
 
 def _clean(ds: datasets.Dataset, columns: Dict[str, str], keep_row: Optional[Callable], name: str,

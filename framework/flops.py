@@ -45,6 +45,8 @@ def model_flops(model: torch.nn.Module) -> ModelFlops:
     heads and head size. Call it on the model as loaded, before ``accelerator.prepare`` shards it."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # peft's wrapper of trainable token rows (adapters.py): its weight is computed, its base layer holds the matrix.
+    output = getattr(getattr(output, "token_adapter", None), "base_layer", output)
     tied_output = getattr(output, "weight", None)
     per_token, n = 0.0, 0
     for p in model.parameters():  # shared tensors come once

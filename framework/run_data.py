@@ -123,7 +123,7 @@ class MapData(RunData):
     def read(self, task):
         cfg = self.cfg
         self.splits = data.load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg),
-                                       task.keeps_other_columns)
+                                       task.keeps_other_columns, list(task.optional_columns(cfg).values()))
         return self.splits.train, self.splits.eval
 
     def prepare_rows(self, task, tokenizer, model, mesh=None):

@@ -19,7 +19,7 @@ Evaluation reads the first ``eval.batches`` batches of the eval stream once, at 
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import datasets
 import numpy as np
@@ -62,12 +62,19 @@ def check_sources(cfg: RunConfig, columns: Dict[str, str]) -> None:
         data.check_columns(list(first), columns, name, {c: data.value_kind(v) for c, v in first.items()})
 
 
-def rows(cfg: RunConfig, columns: Dict[str, str], keep_row, epoch: int, evaluation: bool, keep_all: bool = False):
+def rows(cfg: RunConfig, columns: Dict[str, str], keep_row, epoch: int, evaluation: bool, keep_all: bool = False,
+         optional: Sequence[str] = ()):
     """The usable rows of the training sources for ``epoch`` (files reordered, sources mixed), or, with
     ``evaluation``, of the eval stream: the eval file, or the rows held out of the training sources. They keep
-    only the task's ``columns`` unless ``keep_all`` (``Task.keeps_other_columns``)."""
+    only the task's ``columns`` and those of ``optional`` a source has (``Task.optional_columns``) unless
+    ``keep_all`` (``Task.keeps_other_columns``)."""
     d, names = cfg.data, list(columns.values())
-    select = (lambda stream: stream) if keep_all else (lambda stream: stream.select_columns(names))  # noqa: E731
+
+    def select(stream):
+        if keep_all:
+            return stream
+        present = (stream.column_names or list(next(iter(stream.take(1)), {}))) if optional else []
+        return stream.select_columns(data.kept_columns(present, columns, optional))
     is_eval = None if d.eval_file or (d.dataset and d.eval_split) else held_out(names, cfg.seed, d.eval_fraction)
     if evaluation and is_eval is None:
         stream = select(data.read_eval(d, streaming=True)[0])
@@ -91,7 +98,8 @@ def train_stream(cfg: RunConfig, task, tokenizer, model, rank: int, world: int) 
     columns, keep_row = task.columns(cfg), task.keep_row(cfg)
 
     def make(epoch: int) -> datasets.IterableDataset:
-        stream = rows(cfg, columns, keep_row, epoch, evaluation=False, keep_all=task.keeps_other_columns)
+        stream = rows(cfg, columns, keep_row, epoch, evaluation=False, keep_all=task.keeps_other_columns,
+                      optional=list(task.optional_columns(cfg).values()))
         if cfg.data.max_train_samples:
             stream = stream.take(cfg.data.max_train_samples)
         return task.prepare(split_dataset_by_node(stream, rank, world), tokenizer, model, cfg)
@@ -100,7 +108,8 @@ def train_stream(cfg: RunConfig, task, tokenizer, model, rank: int, world: int) 
 
 def eval_set(cfg: RunConfig, task, tokenizer, model, rows_per_batch: int) -> datasets.Dataset:
     """The first ``eval.batches`` batches of the eval stream, as features in memory (the same on every process)."""
-    stream = rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=True, keep_all=task.keeps_other_columns)
+    stream = rows(cfg, task.columns(cfg), task.keep_row(cfg), 0, evaluation=True, keep_all=task.keeps_other_columns,
+                  optional=list(task.optional_columns(cfg).values()))
     if cfg.data.max_eval_samples:
         stream = stream.take(cfg.data.max_eval_samples)
     wanted = (cfg.eval.batches or DEFAULT_EVAL_BATCHES) * rows_per_batch

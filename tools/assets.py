@@ -32,6 +32,13 @@ PAIRS = "rotten_tomatoes_pairs.jsonl"  # the same conversations as preference pa
 SUMS = "sums.jsonl"  # two-number sums asked in chat, with their answers: a verifiable task for online RL (grpo)
 SUMS_ROWS = 2000
 SUMS_QUESTION = "What is {a} + {b}? Reply with the number only."
+# Multiplications a small model cannot do in its head, and the calculator tool that does them (issue 46): tool-call
+# demonstrations for SFT (recipes/sft_tools.yaml), and prompts disjoint from them for RL with the tool.
+CALCULATOR = ROOT / "recipes" / "tools" / "calculator.py"
+TOOL_CALLS, TOOL_CALLS_ROWS = "tool_calls_sft.jsonl", 2000
+TOOL_PROMPTS, TOOL_PROMPTS_ROWS = "tool_prompts.jsonl", 500
+PRODUCT_QUESTIONS = ("What is {a} x {b}?", "What is {a} * {b}?", "Compute {a} times {b}.", "Multiply {a} by {b}.")
+PRODUCT_REPLY = " Reply with the number only."
 # GPT-2's pre-tokenizer regex (the one in its encoder.py, and in tokenizers' ByteLevel pre-tokenizer).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = "<|endoftext|>"  # id 50256, right after the 50256 ranked byte sequences
@@ -105,6 +112,54 @@ def sum_rows(count: int, seed: int = 0) -> list:
     pairs = rng.sample([(a, b) for a in range(10, 100) for b in range(10, 100)], count)
     return [{"prompt": [{"role": "user", "content": SUMS_QUESTION.format(a=a, b=b)}], "answer": str(a + b)}
             for a, b in pairs]
+
+
+def multiply_schema() -> dict:
+    """The JSON schema of recipes/tools/calculator.py's ``multiply``, as transformers' ``get_json_schema`` makes it
+    from the function's type hints and docstring: what a recipe naming the file lists to the model."""
+    import importlib.util
+
+    from transformers.utils import get_json_schema
+
+    spec = importlib.util.spec_from_file_location("calculator", CALCULATOR)
+    calculator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calculator)
+    return get_json_schema(calculator.multiply)
+
+
+def product_pairs(count: int, seed: int = 0) -> list:
+    """``count`` distinct multiplications (seeded; a x b and b x a count as one): half two-digit by two-digit,
+    half three-digit by two-digit, the larger factor first or second at random."""
+    rng = random.Random(seed)
+    seen, pairs = set(), []
+    while len(pairs) < count:
+        a, b = rng.randint(100, 999) if len(pairs) % 2 else rng.randint(10, 99), rng.randint(10, 99)
+        if frozenset((a, b)) not in seen:
+            seen.add(frozenset((a, b)))
+            pairs.append((a, b) if rng.random() < 0.5 else (b, a))
+    return pairs
+
+
+def product_question(a: int, b: int, rng: random.Random) -> dict:
+    """The user's turn asking for a x b, in one of a few phrasings."""
+    return {"role": "user", "content": rng.choice(PRODUCT_QUESTIONS).format(a=a, b=b) + PRODUCT_REPLY}
+
+
+def tool_rows(seed: int = 0) -> tuple:
+    """(SFT demonstrations, RL prompts) over disjoint multiplications. A demonstration: the user asks for a product,
+    the assistant calls ``multiply`` (TRL's tool_calls format), the tool returns it, the assistant answers the
+    number; its ``tools`` column the multiply tool's schema. A prompt: the user's question and the answer."""
+    rng, schema = random.Random(seed), multiply_schema()
+    pairs = product_pairs(TOOL_CALLS_ROWS + TOOL_PROMPTS_ROWS, seed)
+    demonstrations = []
+    for a, b in pairs[:TOOL_CALLS_ROWS]:
+        product = str(a * b)
+        call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+        demonstrations.append({"messages": [product_question(a, b, rng), {"role": "assistant", "tool_calls": [call]},
+                                            {"role": "tool", "name": "multiply", "content": product},
+                                            {"role": "assistant", "content": product}], "tools": [schema]})
+    prompts = [{"prompt": [product_question(a, b, rng)], "answer": str(a * b)} for a, b in pairs[TOOL_CALLS_ROWS:]]
+    return demonstrations, prompts
 
 
 def load_ranks(path: Path) -> dict:
@@ -241,6 +296,12 @@ def main(dest: Path) -> None:
     if not (dest / SUMS).exists():
         write_jsonl(sum_rows(SUMS_ROWS), dest / SUMS)
         print(f"assets: {dest / SUMS} ({SUMS_ROWS} sums)")
+    if not (dest / TOOL_CALLS).exists() or not (dest / TOOL_PROMPTS).exists():
+        demonstrations, prompts = tool_rows()
+        write_jsonl(demonstrations, dest / TOOL_CALLS)
+        write_jsonl(prompts, dest / TOOL_PROMPTS)
+        print(f"assets: {dest / TOOL_CALLS} ({len(demonstrations)} tool-call demonstrations), {dest / TOOL_PROMPTS} "
+              f"({len(prompts)} prompts, other multiplications)")
     name, package, inner = GPT2_BPE
     if not (dest / name).exists():
         size = write_gpt2_tokenizer(source(package, inner), dest / name)

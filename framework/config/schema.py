@@ -85,8 +85,8 @@ class DataConfig:
     label_column: str = "label"
     """Column holding the label: strings (mapped to ids in sorted order) or integers."""
     chat_template: Optional[str] = None
-    """Post-training (sft, dpo, reward_model, grpo, rloo): the chat template: a jinja file, or a built-in name
-    (chatml); default the tokenizer's own."""
+    """Post-training (sft, dpo, reward_model, grpo, rloo): the chat template: a jinja file, or a built-in name (chatml,
+    or chatml-tools: chatml that renders tools, tool calls and their results); default the tokenizer's own."""
     labels: Optional[List[str]] = None
     """Keep only rows whose label is one of these; their order gives the label ids."""
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"

@@ -67,6 +67,10 @@ class Task:
         """Recipe key -> column name, for every column a row must have."""
         raise NotImplementedError
 
+    def optional_columns(self, cfg) -> Dict[str, str]:
+        """Recipe key -> column name, for columns a row may have: kept where the data has them (sft's tools)."""
+        return {}
+
     def keep_row(self, cfg):
         """A row filter (``row -> bool``) for unusable rows, or None."""
         return None

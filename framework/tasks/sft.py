@@ -3,12 +3,14 @@
 Recipe keys: the causal LM's model keys (``model.name_or_path``, or ``model.config`` + ``model.tokenizer``);
 ``sft.messages_column`` (conversations: lists of ``{role, content}``, or their JSON text), or with
 ``sft.train_on: completion`` ``sft.prompt_column`` + ``sft.completion_column`` (strings or conversations);
-``data.chat_template`` (framework/templates.py); ``sft.train_on``, ``sft.overflow``; ``data.packing``,
-``data.block_size``; ``eval.prompt``, ``eval.max_new_tokens``.
+``sft.tools_column`` (each conversation's tool schemas, when the data has them); ``data.chat_template``
+(framework/templates.py); ``sft.train_on``, ``sft.overflow``; ``data.packing``, ``data.block_size``;
+``eval.prompt``, ``eval.max_new_tokens``.
 
-Rows become token ids and labels (``IGNORE`` where nothing is trained on: role headers, system, user and tool
-messages, prompts, and each conversation's first token); framework/templates.py finds what to train on from the
-rendered conversation. Packing (the default) puts whole conversations one after another into blocks of at most
+Rows become token ids and labels (``IGNORE`` where nothing is trained on: role headers, system (and its list of
+tools), user and tool messages, prompts, and each conversation's first token); framework/templates.py finds what to
+train on from the rendered conversation. An assistant message's tool calls are what it generates, so they are
+trained on; the tools' results (tool messages) are not. Packing (the default) puts whole conversations one after another into blocks of at most
 ``data.block_size`` tokens, each conversation a segment that attends only to itself (causal_lm's block-diagonal
 mask); a conversation is never split across blocks. A conversation longer than a block is truncated or dropped
 (``sft.overflow``); the plan counts those and the rows without an assistant turn (dropped).
@@ -62,6 +64,12 @@ class SftConfig:
     completion_column: str = "completion"
     """With ``train_on: completion``: the column holding the completion of ``prompt_column`` (a string or a
     conversation)."""
+    tools_column: str = "tools"
+    """The column holding each conversation's tools: a list of JSON schemas ({"type": "function", "function":
+    {"name", "description", "parameters"}}, as transformers' get_json_schema writes them; TRL's ``tools``), or
+    its JSON text; null or empty: none. The template lists them in the system turn (``data.chat_template:
+    chatml-tools``); they are never trained on. The default ``tools`` is read where the data has that column;
+    another name must be a column of the data."""
 
 
 @register("sft")
@@ -83,8 +91,16 @@ class Sft(CausalLM):
     def columns(self, cfg) -> Dict[str, str]:
         s = cfg.sft
         if s.train_on == "completion":
-            return {"sft.prompt_column": s.prompt_column, "sft.completion_column": s.completion_column}
-        return {"sft.messages_column (prompt/completion rows: sft.train_on=completion)": s.messages_column}
+            columns = {"sft.prompt_column": s.prompt_column, "sft.completion_column": s.completion_column}
+        else:
+            columns = {"sft.messages_column (prompt/completion rows: sft.train_on=completion)": s.messages_column}
+        if s.tools_column != SftConfig.tools_column:  # named by the recipe: the data must have it
+            columns["sft.tools_column"] = s.tools_column
+        return columns
+
+    def optional_columns(self, cfg) -> Dict[str, str]:
+        s = cfg.sft
+        return {"sft.tools_column": s.tools_column} if s.tools_column == SftConfig.tools_column else {}
 
     def keep_row(self, cfg):
         return None  # every row is checked, and its problem named, when it is tokenized
@@ -116,7 +132,7 @@ class Sft(CausalLM):
         s = cfg.sft
         length, packed = self.sequence_length(cfg, model), packing(cfg)
         identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, s.messages_column, s.prompt_column,
-                    s.completion_column, s.train_on, s.overflow, length)
+                    s.completion_column, s.tools_column, s.train_on, s.overflow, length)
 
         def tokenize(batch):
             out = {"input_ids": [], "labels": [], "status": []}
@@ -217,16 +233,19 @@ class SftRun(CausalRun):
 def encode_row(tokenizer, row: Dict, cfg, length: int):
     """(token ids, labels, fate) of one row; the labels are the ids where trained on, else ``IGNORE``."""
     s = cfg.sft
+    tools = templates.tool_schemas(row.get(s.tools_column), f"sft.tools_column, the row {templates.snippet(row)}")
     if s.train_on == "completion":
         where = f"sft.prompt_column/sft.completion_column, the row {templates.snippet(row)}"
-        ids, mask = templates.prompt_completion_tokens(tokenizer, row[s.prompt_column], row[s.completion_column], where)
+        ids, mask = templates.prompt_completion_tokens(tokenizer, row[s.prompt_column], row[s.completion_column], where,
+                                                       tools)
     else:
         value = row[s.messages_column]
         where = f"sft.messages_column, the row {templates.snippet(value)}"
         messages = templates.conversation(value, where)
         if not any(m["role"] == "assistant" for m in messages):
             return [], [], NO_ASSISTANT
-        ids, mask = templates.conversation_tokens(tokenizer, messages, where)
+        templates.check_tool_support(tokenizer, messages, tools, where)
+        ids, mask = templates.conversation_tokens(tokenizer, messages, where, tools)
         if s.train_on == "all":
             mask = [1] * len(ids)
     labels = [t if m else IGNORE for t, m in zip(ids, mask)]

@@ -6,6 +6,8 @@ a task on them that names its advantages and its policy loss:
   sampling settings, the reference, evaluation by greedy completions);
 - ``rollout``: prompts as rows and batches, the keys completions are sampled by, rollouts as micro-batches;
 - ``sampling``: completions sampled keyed by example (``generate``);
+- ``tools``: the tools and environment a run gives the model (TRL's contract), imported, checked and called;
+- ``multi_turn``: rollouts that call tools, token in, token out;
 - ``rewards``: reward functions (built-in and the user's, TRL's signature) and scoring completions with them;
 - ``advantages``: from rewards to advantages (group-relative, leave-one-out);
 - ``policy_loss``: clipped surrogate losses (per token, per sequence) and their normalisers;

@@ -43,10 +43,11 @@ NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def text(completion: Any) -> str:
-    """A completion's text: itself, or a conversation's message contents."""
+    """A completion's text: itself, or a conversation's message contents (its assistant turns': a tool's result
+    is not what the model wrote)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict))
+    return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict) and m.get("role") != "tool")
 
 
 def last_number(value: str) -> Optional[float]:
@@ -196,30 +197,43 @@ class Rewards:
         """The reward models among them (``model:PATH``), frozen beside the trained model."""
         return reward_models.models(f.function for f in self.functions)
 
+    def add_environment_reward(self, environment: type, key: str) -> None:
+        """An environment's ``get_reward()``, scored once per rollout: a reward named after its class, weight 1
+        (TRL's), reading each rollout's environment (the rows' ``environments``)."""
+        def get_reward(prompts, completions, completion_ids, environments, **columns):
+            return [e.get_reward() for e in environments]
+
+        get_reward.__name__ = environment.__name__
+        self.functions.append(RewardFunction(environment.__name__, get_reward, key))
+        self.weights = torch.cat([self.weights, torch.ones(1)])
+
     def total(self, per_function: torch.Tensor) -> torch.Tensor:
         """Each completion's weighted reward."""
         return weighted_rewards(per_function, self.weights)
 
-    def score(self, rows: List[Dict], completion_ids: List[List[int]]) -> torch.Tensor:
+    def score(self, rows: List[Dict], completion_ids: List[List[int]],
+              messages: Optional[List[List[Dict]]] = None) -> torch.Tensor:
         """The rewards (completions x functions, float32, NaN where a function returned None) of each completion
-        of the prompt in the same place of ``rows`` (the data's rows, as collated)."""
+        of the prompt in the same place of ``rows`` (the data's rows, as collated); ``messages``: each completion as
+        messages (a tool rollout's assistant turns and tool results, for conversation prompts), else its text."""
         column = self.prompt_column
         prompts = [templates.maybe_conversation(row[column], f"{self.key.split('.')[0]}.prompt_column") or row[column]
                    for row in rows]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for p, t in zip(prompts, texts)]
+        completions = [(messages[i] if messages is not None else [{"role": "assistant", "content": t}])
+                       if isinstance(p, list) else t for i, (p, t) in enumerate(zip(prompts, texts))]
         # Streamed sources mixed may hold other columns: a row without one gives None (its functions may skip it).
         keys = dict.fromkeys(key for row in rows for key in row if key != column)
         columns = {key: [row.get(key) for row in rows] for key in keys}
         scores = [function(prompts, completions, completion_ids, columns) for function in self.functions]
         return torch.tensor(np.stack(scores, axis=1), dtype=torch.float32)
 
-    def score_together(self, rows: List[Dict], completion_ids: List[List[int]]) -> torch.Tensor:
+    def score_together(self, rows: List[Dict], completion_ids: List[List[int]],
+                       messages: Optional[List[List[Dict]]] = None) -> torch.Tensor:
         """``score`` on every process at once: where a reward function fails on any process, every process ends with
         that process's message (a UserError), instead of the others waiting for it in the next collective."""
         try:
-            scores, message = self.score(rows, completion_ids), None
+            scores, message = self.score(rows, completion_ids, messages), None
         except UserError as error:
             scores, message = None, str(error)
         if self.accelerator.num_processes > 1:

@@ -38,12 +38,16 @@ def row_key(row: Dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def prompt_ids(tokenizer, prompt, where: str) -> List[int]:
-    """A prompt's token ids as TRL's trainers make them: a conversation rendered with the generation prompt, text
-    tokenized with the tokenizer's special tokens."""
+def prompt_ids(tokenizer, prompt, where: str, tools: Optional[List[Dict]] = None) -> List[int]:
+    """A prompt's token ids as TRL's trainers make them: a conversation rendered with the generation prompt (and
+    ``tools``' JSON schemas: a text prompt cannot list them), text tokenized with the tokenizer's special tokens."""
     conversation = templates.maybe_conversation(prompt, where)
     if conversation is not None:
-        ids = templates.encode(tokenizer, templates.render(tokenizer, conversation, where, add_generation_prompt=True))[0]
+        ids = templates.encode(tokenizer, templates.render(tokenizer, conversation, where, add_generation_prompt=True,
+                                                           tools=tools or None))[0]
+    elif tools:
+        raise UserError(f"{where}: is text, and the tools can only be listed in a conversation's chat template; "
+                        "make the prompts conversations (a list of {role, content})")
     else:
         ids = tokenizer(prompt, verbose=False)["input_ids"]
     if not ids:
@@ -51,20 +55,22 @@ def prompt_ids(tokenizer, prompt, where: str) -> List[int]:
     return ids
 
 
-def prepare_prompts(ds, tokenizer, column: str, length: int, key: str):
-    """Rows -> their columns as they are, the prompt's token ids (the last ``length``) and the row's key
-    (``INDEX``); ``key``: the recipe key naming ``column``, for messages."""
+def prepare_prompts(ds, tokenizer, column: str, length: int, key: str, tools: Optional[List[Dict]] = None):
+    """Rows -> their columns as they are, the prompt's token ids (the last ``length``; ``tools``: their schemas
+    listed by the template) and the row's key (``INDEX``); ``key``: the recipe key naming ``column``, for
+    messages."""
     streamed = isinstance(ds, datasets.IterableDataset)
 
     def tokenize(batch, indices):
         out = dict(batch)
-        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {templates.snippet(prompt)}")[-length:]
-                           for prompt in batch[column]]
+        out[PROMPT_IDS] = [prompt_ids(tokenizer, prompt, f"{key}: the prompt {templates.snippet(prompt)}",
+                                      tools)[-length:] for prompt in batch[column]]
         out[INDEX] = [row_key({k: v[i] for k, v in batch.items()}) for i in range(len(indices))] if streamed \
             else indices
         return out
 
-    identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, column, length, PROMPT_IDS, INDEX)
+    identity = (data.tokenizer_identity(tokenizer), tokenizer.chat_template, column, length, PROMPT_IDS, INDEX,
+                json.dumps(tools, sort_keys=True) if tools else None)
     return data.map_rows(ds, tokenize, identity, "Tokenizing prompts", with_indices=True)
 
 
@@ -103,10 +109,12 @@ def generation_batch(batches: List[Dict], group: int, seed: int) -> Tuple[List[L
 
 
 def rollout_batch(prompts: List[List[int]], completions: List[List[int]], trained: List[bool], pad_id: int,
-                  device, buckets: Optional[List[int]] = None) -> Dict[str, torch.Tensor]:
+                  device, buckets: Optional[List[int]] = None,
+                  sampled: Optional[List[List[int]]] = None) -> Dict[str, torch.Tensor]:
     """One micro-batch of rollouts: each prompt followed by its completion, right-padded (positions 0..n-1, as
     generation had them) to the longest or, with ``buckets`` (static shapes), to the smallest bucket that holds it;
-    the completion's tokens the targets (``trained``: False leaves a completion out of the loss)."""
+    the completion's tokens the targets (``trained``: False leaves a completion out of the loss; ``sampled``: per
+    completion token, 1 where the model sampled it, 0 where a tool turn inserted it, which is no target)."""
     longest = data.padded_length(max(len(p) + len(c) for p, c in zip(prompts, completions)), buckets)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
@@ -116,6 +124,9 @@ def rollout_batch(prompts: List[List[int]], completions: List[List[int]], traine
         attention_mask[i, :len(p) + len(c)] = 1
         if trained[i]:
             labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+            if sampled is not None:
+                inserted = torch.tensor(sampled[i], dtype=torch.bool).logical_not()
+                labels[i, len(p):len(p) + len(c)][inserted] = IGNORE
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # the next token at each position
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
             "targets": targets.to(device)}

@@ -36,6 +36,7 @@ from framework import backend
 from framework.losses import IGNORE
 from framework.step import Count, StepContext, StepResult
 from framework.tasks.online_rl.advantages import nanstd
+from framework.tasks.online_rl.multi_turn import tool_frequencies
 from framework.tasks.online_rl.rollout import generation_batch, rollout_batch
 
 if TYPE_CHECKING:
@@ -80,13 +81,15 @@ class OnlineStep:
         acc, g, algorithm = ctx.accelerator, self.settings, self.algorithm
         group = g.num_generations
         prompts, seeds = generation_batch(batches, group, run.seed)
+        rows = [row for batch in batches for row in batch["rows"] for _ in range(group)]
         with backend.generating(acc, ctx.model, ctx.mesh, run.static_generation) as model:
-            completions = run.generate(model, prompts, seeds)
-        per_function = run.rewards.score_together(
-            [row for batch in batches for row in batch["rows"] for _ in range(group)], completions)
+            out, rows = run.rollouts(model, prompts, seeds, rows)
+        prompts, completions = out.prompts, out.completions
+        per_function = run.rewards.score_together(rows, completions, out.messages)
         stops = set(run.sampling.stop_ids)
-        truncated = torch.tensor([c[-1] not in stops for c in completions])
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
+        truncated = torch.tensor([not c or c[-1] not in stops for c in completions])
+        # The model's tokens (TRL's with tools: a tool turn's are not the completion's length).
+        lengths = torch.tensor([sum(s) for s in out.sampled], dtype=torch.float32)
         gather = _gatherer(acc)
         # Every process's rewards and lengths: the step-wide statistics and the metrics.
         everything = gather(torch.cat([per_function, lengths[:, None], truncated[:, None].float()], 1))
@@ -99,7 +102,7 @@ class OnlineStep:
             end = start + len(batch["prompt_ids"]) * group
             rollouts.append(ctx.mesh.shard_batch(rollout_batch(
                 prompts[start:end], completions[start:end], trained[start:end], run.sampling.pad_id, acc.device,
-                run.buckets)))
+                run.buckets, out.sampled[start:end])))
             start = end
         with torch.no_grad():
             for r in rollouts:
@@ -115,6 +118,9 @@ class OnlineStep:
             ctx.mesh.shard_batch(r)
             start += r["input_ids"].shape[0]
         metrics.update(reward_metrics(everything, every_reward, run, algorithm.std_scope))
+        if run.tool_loop is not None:
+            counts = gather(torch.tensor([out.calls, out.failures], dtype=torch.float32).T)
+            metrics.update(tool_frequencies(counts[:, 0].numpy(), counts[:, 1].numpy()))
 
         counts = [algorithm.normaliser(r["targets"] != IGNORE) for r in rollouts]
         total = backend.total_over_processes(acc, sum(counts))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,8 +29,8 @@ from framework.errors import UserError
 from framework.tasks.causal_lm import CausalLM
 from framework.tasks.completions import Reference, completion_tokenizer, load_completion_model, target_logprobs
 from framework.tasks.language import LanguageRun
-from framework.tasks.online_rl import generator, reward_models, rewards, sampling
-from framework.tasks.online_rl.rollout import PROMPT_IDS, PromptCollator, prepare_prompts
+from framework.tasks.online_rl import generator, multi_turn, reward_models, rewards, sampling, tools
+from framework.tasks.online_rl.rollout import PROMPT_IDS, PromptCollator, prepare_prompts, prompt_ids
 from framework.tasks.online_rl.step import OnlineStep
 
 EXAMPLES = 4  # completions of a step's first prompt its log record shows
@@ -83,6 +83,21 @@ class OnlineConfig:
     """Weight of the KL penalty against the reference model (0: no reference is kept)."""
     mask_truncated_completions: bool = False
     """Leave completions that did not stop within max_completion_length out of the loss (DAPO)."""
+    tools: List[str] = field(default_factory=list)
+    """Functions the model may call, ``path/to/file.py:function`` or ``package.module:function`` (TRL's ``tools``):
+    type hints and a Google-style docstring give each its JSON schema, which the prompt lists (a template that
+    renders tools: ``data.chat_template: chatml-tools``); rollouts go on after each call with its result
+    (framework/tasks/online_rl/multi_turn.py). Tools are your own code: they run in the training process."""
+    environment: Optional[str] = None
+    """A class, named as a tool is, with TRL's ``environment_factory`` contract: one instance per rollout,
+    ``reset(**row)`` (a returned string is appended to the prompt's last message), its public methods tools, and
+    an optional ``get_reward()``, a reward named after the class (weight 1)."""
+    max_tool_calls: int = field(default=4, metadata={"ge": 1})
+    """With tools: the most tool turns a rollout makes (each runs the calls its turn wrote; TRL's
+    ``max_tool_calling_iterations``); a call after them ends the rollout unanswered."""
+    tool_timeout: float = field(default=10.0, metadata={"gt": 0.0})
+    """With tools: seconds a tool call may run; a slower one gives the model an error result (and runs on, given up
+    on, in a daemon thread)."""
 
 
 class OnlineRL(CausalLM):
@@ -112,7 +127,7 @@ class OnlineRL(CausalLM):
     def check(self, cfg, strategy) -> List[str]:
         problems = super().check(cfg, strategy)
         g, key = self.settings(cfg), self.section
-        if not g.reward_functions:
+        if not g.reward_functions and not g.environment:
             problems.append(f"{key}.reward_functions: name at least one reward function (exact_match, numeric, regex, "
                             "model:PATH, path/to/file.py:function or package.module:function)")
         for spec in g.reward_functions:
@@ -136,6 +151,13 @@ class OnlineRL(CausalLM):
         if strategy.name == "xla_fsdp":
             problems.append(f"task: {self.name} does not run under distributed.strategy=xla_fsdp yet (its generation "
                             "on the sharded model is not built); use xla_spmd, or one XLA device")
+        if (g.tools or g.environment) and strategy.shards_parameters:
+            problems.append(f"{key}.tools: tools and environments do not run under FSDP or DeepSpeed yet (each "
+                            "process's rollouts take their own number of turns, and a sharded model generates in "
+                            "lockstep); use distributed.strategy=ddp")
+        if (g.tools or g.environment) and strategy.xla:
+            problems.append(f"{key}.tools: tools and environments do not run on XLA yet (each rollout takes its own "
+                            "number of turns, a new shape per turn); use backend=cpu or gpu")
         if g.beta > 0 and cfg.peft is None and strategy.shards_parameters:
             problems.append(f"{key}.beta: the reference model, a frozen copy, is not built under FSDP or DeepSpeed yet "
                             "(its weights load on the first process only); train an adapter (peft: the reference is "
@@ -182,8 +204,16 @@ class OnlineRL(CausalLM):
         return cfg.data.max_length + self.settings(cfg).max_completion_length
 
     def prepare(self, ds, tokenizer, model, cfg):
+        """The prompts' tokens, with the tools' schemas listed where the section names tools (imported now: a
+        mistake in them stops the run before it trains)."""
+        schemas = tools.Toolbox(self.settings(cfg), self.section).schemas
+        if schemas:  # a template that renders the tools or the calls as if they were not there is refused
+            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+            templates.check_tool_support(tokenizer, [{"role": "user", "content": "?"},
+                                                     {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                         schemas, f"{self.section}.tools")
         return prepare_prompts(ds, tokenizer, self.settings(cfg).prompt_column, cfg.data.max_length,
-                               f"{self.section}.prompt_column")
+                               f"{self.section}.prompt_column", schemas)
 
     def collator(self, tokenizer, cfg, buckets, rows=None):
         return PromptCollator(rows)
@@ -229,6 +259,14 @@ class OnlineRun(LanguageRun):
         self.sampling = sampling.Sampling(g.temperature, g.top_k, g.top_p, g.max_completion_length,
                                           templates.end_of_turn_ids(self.tokenizer, cfg.data.chat_template),
                                           self.tokenizer.pad_token_id)
+        self.toolbox = tools.Toolbox(g, task.section)
+        self.tool_loop = (multi_turn.ToolLoop(self.toolbox, self.tokenizer, self.sampling, g.max_tool_calls,
+                                              cfg.data.max_length + g.max_completion_length) if self.toolbox else None)
+        if self.toolbox.has_reward:
+            self.rewards.add_environment_reward(self.toolbox.environment, f"{task.section}.environment")
+        if not self.rewards.functions:
+            raise UserError(f"{task.section}.reward_functions: name at least one reward function, or give "
+                            f"{task.section}.environment a get_reward method")
         # FSDP2 and ZeRO-3 gather each block's weights in its forward, a collective: the processes, each on its own
         # prompts, generate in lockstep until the last one's completions stop.
         self.synced = (backend.is_fsdp2(accelerator) or backend.is_zero3(accelerator)) and accelerator.num_processes > 1
@@ -251,6 +289,30 @@ class OnlineRun(LanguageRun):
             return sampling.generate(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced)
         return self.generator(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced).completions
 
+    def rollouts(self, model: torch.nn.Module, prompts: List[List[int]], seeds: List[int], rows: List[Dict],
+                 greedy: bool = False) -> Tuple[multi_turn.Rollouts, List[Dict]]:
+        """The completions of ``prompts`` (row i drawn by ``seeds[i]``; ``greedy``: the most likely tokens), one
+        sampled span each, or through the tool loop where the section names tools or an environment; and the rows
+        the rewards score: ``rows``, each with its rollout's environment (``environments``, TRL's reward argument)
+        where there is one. An environment's ``reset(**row)`` observation is appended to its prompt, rendered again
+        (with the tools, the last ``data.max_length`` tokens)."""
+        if self.tool_loop is None:
+            completions = self.generate(model, prompts, seeds, greedy=greedy)
+            return multi_turn.Rollouts(prompts, completions, [[1] * len(c) for c in completions]), rows
+        environments = self.toolbox.environments(len(rows))
+        if self.toolbox.environment is not None:
+            key, column = f"{self.section}.environment", self.settings.prompt_column
+            prompts = list(prompts)
+            for i, (row, environment) in enumerate(zip(rows, environments)):
+                observation = tools.reset(environment, row, key)
+                if observation is not None:
+                    where = f"{self.section}.prompt_column: the prompt {templates.snippet(row[column])}"
+                    prompt = multi_turn.with_observation(templates.maybe_conversation(row[column], where), observation)
+                    ids = prompt_ids(self.tokenizer, prompt, where, self.toolbox.schemas)
+                    prompts[i] = ids[-self.cfg.data.max_length:]
+            rows = [{**row, "environments": environment} for row, environment in zip(rows, environments)]
+        return self.tool_loop.generate(model, prompts, seeds, environments, greedy), rows
+
     def logprobs(self, model: torch.nn.Module, rollout: Dict[str, torch.Tensor], with_entropy: bool = False):
         """Per token of a micro-batch of rollouts, the log-probability of its target (``target_logprobs``, at the
         sampling temperature); ``with_entropy``: and each completion token's entropy, as TRL logs it."""
@@ -270,7 +332,9 @@ class OnlineRun(LanguageRun):
         shown = min(self.settings.num_generations, EXAMPLES)
         total = self.rewards.total(per_function[:shown]).tolist()
         prompt = self.tokenizer.decode(prompts[0])
-        return [{"prompt": prompt, "completion": self.tokenizer.decode(completions[j], skip_special_tokens=True),
+        # With tools, the tool turns show as the template marks them (their headers are special tokens).
+        marked = bool(self.toolbox)
+        return [{"prompt": prompt, "completion": self.tokenizer.decode(completions[j], skip_special_tokens=not marked),
                  "reward": number(total[j]), "advantage": number(float(advantage[j])),
                  "rewards": {f.name: number(v) for f, v in zip(self.rewards.functions, per_function[j].tolist())}}
                 for j in range(shown)]
@@ -278,18 +342,27 @@ class OnlineRun(LanguageRun):
     # ------------------------------------------------------------ evaluation
 
     def eval_outputs(self, model, batch) -> Dict[str, torch.Tensor]:
-        """Per held-out prompt: the rewards of its greedy completion, per function and weighted."""
+        """Per held-out prompt: the rewards of its greedy completion (through the tool loop, with tools), per
+        function and weighted; with tools, its calls and failed calls."""
         inner = backend.generation_ready(self.accelerator, self.accelerator.unwrap_model(model))
-        completions = self.generate(inner, batch["prompt_ids"], [], greedy=True)
-        per_function = self.rewards.score_together(batch["rows"], completions)
+        out, rows = self.rollouts(inner, batch["prompt_ids"], [], batch["rows"], greedy=True)
+        per_function = self.rewards.score_together(rows, out.completions, out.messages)
         device = next(inner.parameters()).device
-        return {"rewards": per_function.to(device), "reward": self.rewards.total(per_function).to(device)}
+        outputs = {"rewards": per_function.to(device), "reward": self.rewards.total(per_function).to(device)}
+        if self.tool_loop is not None:
+            outputs["tool_calls"] = torch.tensor(out.calls, dtype=torch.float32, device=device)
+            outputs["tool_failures"] = torch.tensor(out.failures, dtype=torch.float32, device=device)
+        return outputs
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
-        """The greedy completions' mean reward, overall and per function (over the prompts it scored)."""
+        """The greedy completions' mean reward, overall and per function (over the prompts it scored); with tools,
+        the calls per rollout and the failed share of them (TRL's ``tools/call_frequency``,
+        ``tools/failure_frequency``)."""
         figures = {"reward": float(np.nanmean(gathered["reward"])), "prompts": int(len(gathered["reward"]))}
         for i, function in enumerate(self.rewards.functions):
             figures[f"rewards/{function.name}"] = float(np.nanmean(gathered["rewards"][:, i]))
+        if "tool_calls" in gathered:
+            figures.update(multi_turn.tool_frequencies(gathered["tool_calls"], gathered["tool_failures"]))
         return figures
 
     def sample(self, model, tokenizer, eval_ds) -> Optional[Dict[str, str]]:
@@ -297,7 +370,8 @@ class OnlineRun(LanguageRun):
         if len(eval_ds) == 0:
             return None
         row = eval_ds[0]
-        completion = self.generate(model, [row[PROMPT_IDS]], [], greedy=True)[0]
-        reward = self.rewards.total(self.rewards.score([PromptCollator.columns(row)], [completion]))
-        return {"prompt": tokenizer.decode(row[PROMPT_IDS]), "generated": tokenizer.decode(completion),
+        out, rows = self.rollouts(model, [row[PROMPT_IDS]], [], [PromptCollator.columns(row)], greedy=True)
+        reward = self.rewards.total(self.rewards.score(rows, out.completions, out.messages))
+        return {"prompt": tokenizer.decode(out.prompts[0]), "generated": tokenizer.decode(out.completions[0]),
                 "reward": f"{float(reward[0]):.4g}"}
+
