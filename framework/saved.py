@@ -3,11 +3,12 @@
 (``checkpoints/step_N``: its weights, in the model the run's recipe builds, with the run's tokenizer), or a GGUF file
 (read by transformers, dequantized to float32). Whatever cannot be loaded is a UserError naming the path.
 
-A checkpoint is ``accelerate``'s state of the model being trained, not a model folder: its weights file
-(``model.safetensors``) is put into the model the recipe it records builds (the task's own loading: the pretrained
-model or a new one from ``model.config``, the chat template, the adapters), and an adapter is merged. Checkpoints
-that only the training setup reads are refused, pointing at the run's ``model/``: sharded ones (FSDP's, DeepSpeed's,
-XLA's), QLoRA's (4-bit weights), and those of a task whose model is not a causal LM."""
+A checkpoint is the state of the model being trained, not a model folder: its trained parameters (the DCP states,
+framework/backend/states.py, of any layout: one process, DDP, FSDP2, tensor parallelism) are put into the model the
+recipe it records builds (the task's own loading: the pretrained model or a new one from ``model.config``, the chat
+template, the adapters), and an adapter is merged. Checkpoints that only the training setup reads are refused,
+pointing at the run's ``model/``: DeepSpeed's and XLA's own, QLoRA's (4-bit weights), and those of a task whose
+model is not a causal LM."""
 
 from __future__ import annotations
 
@@ -18,19 +19,16 @@ from typing import Tuple
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from framework import adapters, hub
+from framework import adapters, backend, hub
 from framework.checkpoint import STATE_FILE
 from framework.config import validation
 from framework.errors import UserError
 from framework.recipe import schema
 from framework.tasks import MODEL_ERRORS, get_task, registered
 
-WEIGHTS = "model.safetensors"  # accelerate's name for the first model's weights in a checkpoint
-WRAPPERS = ("module.", "_orig_mod.")  # what DDP and torch.compile put before the model's own parameter names
 MODEL_DIR_HINT = "pass a run's model/ (or its output_dir), a checkpoint folder (checkpoints/step_N) or a .gguf file"
 
 
@@ -104,9 +102,6 @@ def _checkpoint(folder: Path):
     task = get_task(cfg.task) if cfg.task in registered() else None
     if task is None or getattr(task, "pipeline", None) != "text-generation":
         raise UserError(f"{folder}: a checkpoint of task {cfg.task}, whose model does not generate text; {hint}")
-    if not (folder / WEIGHTS).is_file():
-        raise UserError(f"{folder}: its model is saved in shards (FSDP, DeepSpeed or XLA), which only the training "
-                        f"setup reads back; {hint}")
     if cfg.peft is not None and cfg.peft.quantize:
         raise UserError(f"{folder}: a QLoRA checkpoint (4-bit weights, peft.quantize), which only the training setup "
                         f"reads back; {hint}")
@@ -115,12 +110,8 @@ def _checkpoint(folder: Path):
     except UserError as e:
         raise UserError(f"{folder}: rebuilding the model its recipe names failed: {e}") from None
     model = adapters.apply(model, cfg, "cpu", task.peft_task_type)
-    weights = {_unwrapped(name): tensor for name, tensor in load_file(folder / WEIGHTS).items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {name for name in missing if _tied(model, name)}
-    if unexpected or set(missing) - tied:
-        raise UserError(f"{folder}: its weights do not fit the model its recipe builds ({len(unexpected)} unexpected, "
-                        f"{len(set(missing) - tied)} missing, e.g. {(unexpected or sorted(set(missing) - tied))[0]}); "
+    if not backend.load_model_states(model, folder):
+        raise UserError(f"{folder}: DeepSpeed's or XLA's own checkpoint, which only the training setup reads back; "
                         f"{hint}")
     if adapters.is_adapted(model):
         model = adapters.merged(model)
@@ -139,21 +130,6 @@ def recipe_of(recipe: dict, where: Path):
     if problems:
         raise UserError(f"{where}: its recipe does not fit this version's schema: {problems[0]}")
     return cfg
-
-
-def _unwrapped(name: str) -> str:
-    for prefix in WRAPPERS:
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    return name
-
-
-def _tied(model: torch.nn.Module, name: str) -> bool:
-    """Whether parameter ``name`` shares its storage with another (a tied output layer, saved once)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensor = params.get(name)
-    return tensor is not None and any(other != name and p.data_ptr() == tensor.data_ptr()
-                                      for other, p in params.items())
 
 
 def _first_line(error: Exception) -> str:

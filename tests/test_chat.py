@@ -167,7 +167,7 @@ def bad_inputs(tmp_path, sft_run, tiny_model, classifier_run, pretrained_lm):
     (tmp_path / "notes.txt").write_text("hello")
     sharded = tmp_path / "sharded_step"
     shutil.copytree(sft_run / "checkpoints" / "step_20", sharded)
-    (sharded / "model.safetensors").unlink()
+    shutil.rmtree(sharded / "states")  # as DeepSpeed's and XLA's own checkpoints are: no DCP states
     bad = write_jsonl(tmp_path / "bad.txt", [[{"role": "robot", "content": "hi"}]])
     model = str(sft_run / "model")
     return [
@@ -177,7 +177,7 @@ def bad_inputs(tmp_path, sft_run, tiny_model, classifier_run, pretrained_lm):
         ([str(tmp_path / "junk.gguf")], f"{tmp_path / 'junk.gguf'}: transformers cannot read this GGUF file"),
         ([str(tiny_model)], "holds a BertForSequenceClassification (model_type bert), not a causal language model"),
         ([str(classifier_run / "checkpoints" / "step_4")], "a checkpoint of task text_classification"),
-        ([str(sharded)], "its model is saved in shards"),
+        ([str(sharded)], "DeepSpeed's or XLA's own checkpoint"),
         ([str(pretrained_lm)], "--chat-template: the tokenizer has no chat template of its own"),
         ([model, "--chat-template", "nothing.jinja"], "--chat-template: 'nothing.jinja' is neither"),
         ([model, "--prompts", str(tmp_path / "none.txt")], f"--prompts: {tmp_path / 'none.txt'} is not a file"),

@@ -1,7 +1,8 @@
 """What every task promises, checked for each on its tiny recipe: 1 process = 2 processes (gloo) = gradient
 accumulation (the same examples in each optimizer step) within the task's stated tolerances; 2 processes under each
-sharding strategy (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, tensor parallelism) train what 1 process does too, or are refused by key (the task x
-strategy matrix); a run killed
+sharding strategy (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, tensor parallelism) train what 1 process does too, or are
+refused by key (the task x strategy matrix), and each cell's half-way checkpoint resumes on one process to the same
+end (DeepSpeed's: written whole); a run killed
 mid-training resumes to bitwise the uninterrupted run's weights and logged losses; a bad row is refused with
 exit 2 and a message naming its column; ``--dry-run`` exits 0 after printing the plan.
 
@@ -154,6 +155,12 @@ class Runs:
         self.hf_home = request.getfixturevalue("hf_home")
         self.inputs = [request.getfixturevalue(name) for name in self.spec["fixtures"]]
 
+    @property
+    def steps(self) -> int:
+        """The equivalence runs' optimizer steps."""
+        return int(next(o for o in reversed(self.spec["overrides"]) if o.startswith("train.max_steps="))
+                   .split("=")[1])
+
     def args(self, out: Path, *extra: str):
         return self.spec["args"](*self.inputs, out, *extra)
 
@@ -266,12 +273,13 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
     from helpers import free_port
 
     launch, keys = STRATEGIES[strategy]
-    out, one, batch = runs.tmp / strategy, runs.one, runs.spec["batch"] // 2
+    out, one, batch, model = runs.tmp / strategy, runs.one, runs.spec["batch"] // 2, []
     if strategy == "tp":
-        batch, keys = runs.spec["batch"], keys + (LLAMA if runs.task in TP_LLAMA else [])
+        batch, model = runs.spec["batch"], (LLAMA if runs.task in TP_LLAMA else [])
         one = runs.one_llama if runs.task in TP_LLAMA else None
-    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, f"train.batch_size={batch}", *keys),
-                                    launch=launch, check=False,
+    # The checkpoint column: the cell saves a checkpoint half way, resumed below on one process.
+    recipe = [f"train.batch_size={batch}", *model, f"checkpoint.every_steps={runs.steps // 2}"]
+    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, *recipe, *keys), launch=launch, check=False,
                                     launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
     refused = REFUSED.get((runs.task, strategy))
     if refused:
@@ -284,6 +292,30 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
     assert summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed", "tensor parallel"))
     spec = dict(runs.spec, weights=runs.spec["weights"] and SHARDED_WEIGHTS, losses=SHARDED_LOSSES)
     assert_equivalent(spec, out, one)
+    assert_resumes_on_one_process(runs, strategy, recipe, one)
+
+
+def assert_resumes_on_one_process(runs, strategy: str, recipe, one: Path) -> None:
+    """The strategy's half-way checkpoint resumed on one process (the effective batch kept by the accumulation, or
+    as it is under tensor parallelism) ends where one process's uninterrupted run ends: its losses after the
+    checkpoint and its weights within the sharded bounds. DeepSpeed's own checkpoints load only into DeepSpeed's
+    layout: there the cell checks that the checkpoint was written whole (its manifest verifies)."""
+    from framework.checkpoint import verify
+
+    half = runs.steps // 2
+    checkpoint = runs.tmp / strategy / "checkpoints" / f"step_{half}"
+    assert checkpoint.is_dir() and verify(checkpoint) is None, verify(checkpoint)
+    if strategy.startswith("zero"):
+        return
+    resumed = runs.tmp / f"{strategy}_resumed"
+    proc = run_captured(runs.args(resumed, *runs.spec["overrides"], *recipe, f"checkpoint.resume={checkpoint}"),
+                        runs.hf_home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {checkpoint}" in proc.stdout
+    if runs.spec["weights"]:
+        assert_same_weights(resumed, one, *SHARDED_WEIGHTS)
+    a, b = losses_by_step(resumed), {k: v for k, v in losses_by_step(one).items() if k > half}
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=SHARDED_LOSSES, abs=1e-6) for k in a), (a, b)
 
 
 # README.md's "What runs where" columns each strategy of the matrix fills.

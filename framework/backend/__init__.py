@@ -34,12 +34,13 @@ from framework.backend.selection import (Strategy, auto_precision, check, has_xl
                                         resolved_distributed, select_backend, strategy)
 from framework.backend.topology import (data_parallel, has_dtensor_parameters, is_fsdp2, is_tensor_parallel, is_zero3, needs_static_shapes, on_xla,
                                         parameter_shards, shards_parameters, tensor_parallel_size)
-from framework.backend.states import load as load_states, portable as portable_states, save as save_states
+from framework.backend.states import (load as load_states, load_model as load_model_states, portable as portable_states,
+                                      save as save_states)
 from framework.backend.tracing import Trace
 from framework.backend.xla_spmd import Mesh
 
 __all__ = [
-    "CompileWatch", "MemoryLayout", "load_states", "portable_states", "save_states", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
+    "CompileWatch", "MemoryLayout", "load_model_states", "load_states", "portable_states", "save_states", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
     "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "generation_ready", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3",
     "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "planned_strategy", "preemption_check_interval",

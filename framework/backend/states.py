@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from framework.backend.topology import on_xla
 
@@ -89,3 +90,15 @@ def load(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Pa
     overrides = load_accelerator_state(str(folder), [], [], accelerator._schedulers, accelerator._dataloaders,
                                        accelerator.process_index, accelerator.scaler)
     accelerator.step = overrides.get("step", accelerator.step)
+
+
+def load_model(model: torch.nn.Module, folder: Path) -> bool:
+    """The trained parameters a checkpoint's states hold, put into ``model``, a whole model on this process (no
+    process group needed; the shards of any layout are read as one): the chat command's reading of a checkpoint.
+    False where the checkpoint holds no DCP states (DeepSpeed's and XLA's own checkpoints)."""
+    if not (folder / STATES).is_dir():
+        return False
+    state = get_model_state_dict(model, options=OPTIONS)
+    dcp.load({"model": state}, checkpoint_id=str(folder / STATES))
+    set_model_state_dict(model, state, options=LOADING)
+    return True
