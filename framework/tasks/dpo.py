@@ -40,7 +40,7 @@ from framework.tasks.base import register
 from framework.tasks.causal_lm import CausalLM, CausalRun
 from framework.tasks.completions import Reference, load_completion_model, target_logprobs
 from framework.tasks.language import IGNORE
-from framework.tasks.pairs import PairCollator, PairColumns, PreferencePairs, tokenize_pair
+from framework.tasks.pairs import PairCollator, PairColumns, PreferencePairs, pair_figures, tokenize_pair
 
 
 @dataclass
@@ -237,15 +237,9 @@ class DpoRun(CausalRun):
 
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         """Means over pairs, as TRL logs them (rewards/accuracies counts chosen > rejected, a tie as wrong)."""
-        chosen, rejected = gathered["rewards_chosen"], gathered["rewards_rejected"]
-        return {"loss": float(gathered["loss"].mean(dtype=np.float64)),
-                "reward_accuracy": float((chosen > rejected).mean()),
-                "reward_margin": float((chosen - rejected).mean(dtype=np.float64)),
-                "rewards_chosen": float(chosen.mean(dtype=np.float64)),
-                "rewards_rejected": float(rejected.mean(dtype=np.float64)),
+        return {**pair_figures(gathered, "reward_"),
                 "logps_chosen": float(gathered["logps_chosen"].mean(dtype=np.float64)),
-                "logps_rejected": float(gathered["logps_rejected"].mean(dtype=np.float64)),
-                "pairs": int(len(chosen))}
+                "logps_rejected": float(gathered["logps_rejected"].mean(dtype=np.float64))}
 
 
 def weights_digest(model: torch.nn.Module) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from framework import data, templates
@@ -127,3 +128,16 @@ def content(value) -> str:
 def short(value) -> str:
     text = content(value) if isinstance(value, (str, list)) else str(value)
     return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def pair_figures(gathered: Dict[str, np.ndarray], prefix: str = "") -> Dict[str, float]:
+    """Means over the held-out pairs of what every task on pairs reports: the loss, the share whose chosen reward is
+    the higher (a tie as wrong), the mean margin r_chosen - r_rejected (named ``{prefix}accuracy`` and
+    ``{prefix}margin``), each side's mean reward, and the pairs counted."""
+    chosen, rejected = gathered["rewards_chosen"], gathered["rewards_rejected"]
+    return {"loss": float(gathered["loss"].mean(dtype=np.float64)),
+            f"{prefix}accuracy": float((chosen > rejected).mean()),
+            f"{prefix}margin": float((chosen - rejected).mean(dtype=np.float64)),
+            "rewards_chosen": float(chosen.mean(dtype=np.float64)),
+            "rewards_rejected": float(rejected.mean(dtype=np.float64)),
+            "pairs": int(len(chosen))}

@@ -42,7 +42,7 @@ from framework import data, hub, templates
 from framework.errors import UserError
 from framework.tasks.base import MODEL_ERRORS, TaskRun, register
 from framework.tasks.language import LanguageModel
-from framework.tasks.pairs import PairCollator, PairColumns, PreferencePairs, short, tokenize_pair
+from framework.tasks.pairs import PairCollator, PairColumns, PreferencePairs, pair_figures, short, tokenize_pair
 
 MARGIN = "margin"  # the feature (and batch) name of a pair's margin, as RewardTrainer's collator names it
 DROPPED = "reward_model_dropped"  # pairs longer than data.max_length, on every feature row (for the plan)
@@ -232,13 +232,7 @@ class RewardRun(TaskRun):
     def metrics(self, gathered: Dict[str, np.ndarray]) -> Dict[str, float]:
         """Means over the held-out pairs: the loss, the share scored the right way round (RewardTrainer's
         ``accuracy``, a tie as wrong), the mean margin r_chosen - r_rejected (its ``margin``), each side's mean."""
-        chosen, rejected = gathered["rewards_chosen"], gathered["rewards_rejected"]
-        return {"loss": float(gathered["loss"].mean(dtype=np.float64)),
-                "accuracy": float((chosen > rejected).mean()),
-                "margin": float((chosen - rejected).mean(dtype=np.float64)),
-                "rewards_chosen": float(chosen.mean(dtype=np.float64)),
-                "rewards_rejected": float(rejected.mean(dtype=np.float64)),
-                "pairs": int(len(chosen))}
+        return pair_figures(gathered)
 
 
 def _check_classifier(config, what: str) -> None:
