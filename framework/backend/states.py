@@ -87,9 +87,12 @@ def load(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Pa
     set_state_dict(model, inner, model_state_dict=model_state, optim_state_dict=optimizer_state, options=LOADING)
     if not updated:
         inner.state.clear()
-    overrides = load_accelerator_state(str(folder), [], [], accelerator._schedulers, accelerator._dataloaders,
-                                       accelerator.process_index, accelerator.scaler)
-    accelerator.step = overrides.get("step", accelerator.step)
+    load_accelerator_state(str(folder), [], [], accelerator._schedulers, accelerator._dataloaders,
+                           accelerator.process_index, accelerator.scaler)
+    # accelerate's micro-batch count, whose multiples of the accumulation end a window: a checkpoint is saved at a
+    # window's end, so the next window starts at 0, whatever accumulation this layout takes (the saved count is a
+    # multiple of the saved layout's, which another accumulation would cut in the middle of a window).
+    accelerator.step = 0
 
 
 def load_model(model: torch.nn.Module, folder: Path) -> bool:
