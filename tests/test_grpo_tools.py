@@ -438,7 +438,7 @@ def test_the_loss_with_a_tool_mask_equals_trl(trl_trainer):  # noqa: F811 (the f
         policy = AutoModelForCausalLM.from_pretrained(folder).train()
         algorithm = Grpo(GrpoConfig(loss=loss, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
                                     max_completion_length=MAX_COMPLETION))
-        batch = rollout_batch(PROMPTS, COMPLETIONS, [True] * len(PROMPTS), 1, "cpu", sampled)
+        batch = rollout_batch(PROMPTS, COMPLETIONS, [True] * len(PROMPTS), 1, "cpu", sampled=sampled)
         batch.update(advantages=advantage, old=ours_layout(old, batch["input_ids"].shape[1]))
         ours = target_logprobs(policy, batch, batch["targets"], 5, True, temperature=0.7)
         loss_sum, _ = algorithm.loss(ours, torch.zeros_like(ours), batch)
