@@ -85,16 +85,24 @@ class LossWindow:
         return tuple(int(backend.read_scalar(self.accelerator, t, "sum")) // tp
                      for t in (self.tokens, self.token_context))
 
-    def snapshot(self) -> dict:
-        """The unlogged window, for a checkpoint (a host sync, as saving is anyway). Its mean over the
-        processes: restored on every process, the next logged sum over processes is the same."""
-        return {"loss_sum": backend.read_scalar(self.accelerator, self.loss_sum, "mean"),
-                "targets": backend.read_scalar(self.accelerator, self.targets, "mean"),
-                "micro_steps": self.micro_steps, "metrics": self.metrics}
+    def snapshot(self, accumulation: int) -> dict:
+        """The unlogged window, for a checkpoint (a host sync, as saving is anyway), in a form any layout restores:
+        its loss and target totals over the processes (a tensor-parallel group's processes, which train on the same
+        data, counted once) and its optimizer steps (``accumulation`` micro-batches each)."""
+        shared = backend.tensor_parallel_size(self.accelerator)
+        return {"loss_total": backend.read_scalar(self.accelerator, self.loss_sum, "sum") / shared,
+                "targets_total": backend.read_scalar(self.accelerator, self.targets, "sum") / shared,
+                "steps": self.micro_steps // accumulation, "metrics": self.metrics}
 
-    def restore(self, snapshot: Optional[dict]) -> None:
-        if snapshot:
-            self.loss_sum = self.loss_sum + snapshot["loss_sum"]
-            self.targets = self.targets + snapshot["targets"]
-            self.micro_steps = snapshot["micro_steps"]
+    def restore(self, snapshot: Optional[dict], accumulation: int) -> None:
+        """What ``snapshot`` saved, on this layout: each process its share of the totals (so the next logged sum over
+        the processes holds them once), the steps in this layout's micro-batches."""
+        if snapshot and "loss_total" not in snapshot:  # an older checkpoint's, resumed on its own layout only
+            self.loss_sum, self.targets = self.loss_sum + snapshot["loss_sum"], self.targets + snapshot["targets"]
+            self.micro_steps, self.metrics = snapshot["micro_steps"], snapshot.get("metrics", {})
+        elif snapshot:
+            share = self.accelerator.num_processes / backend.tensor_parallel_size(self.accelerator)
+            self.loss_sum = self.loss_sum + snapshot["loss_total"] / share
+            self.targets = self.targets + snapshot["targets_total"] / share
+            self.micro_steps = snapshot["steps"] * accumulation
             self.metrics = {name: list(total) for name, total in snapshot.get("metrics", {}).items()}

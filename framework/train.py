@@ -259,7 +259,7 @@ def fit(run: Run, reporter: Reporter, state: TrainState, signals: Signals) -> fl
     SIGTERM/SIGINT."""
     cfg = run.cfg
     window = LossWindow(run.accelerator, run.model_flops)
-    window.restore(state.window)
+    window.restore(state.window, cfg.train.gradient_accumulation_steps)
     profiler = StepProfiler(run.accelerator, cfg.train.profile_steps, Path(cfg.output_dir), reporter.print)
     run.model.train()
     saves = Saves(run, signals, reporter)
@@ -330,8 +330,8 @@ def _train_epoch(run: Run, reporter: Reporter, state: TrainState, window: LossWi
 
 
 def _save_checkpoint(run: Run, state: TrainState, window: LossWindow) -> None:
-    snapshot = window.snapshot()
-    unlogged = snapshot["loss_sum"] / snapshot["targets"] if snapshot["targets"] else None
+    snapshot = window.snapshot(run.cfg.train.gradient_accumulation_steps)
+    unlogged = snapshot["loss_total"] / snapshot["targets_total"] if snapshot["targets_total"] else None
     health.check_finite(run.accelerator, run.model, unlogged, state.step)  # never a non-finite checkpoint
     saved = dict(asdict(state), window=snapshot, tokens=state.tokens + window.totals()[0])
     checkpoint.save(run.accelerator, run.model, run.update.optimizer, Path(run.cfg.output_dir), saved,
