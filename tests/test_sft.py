@@ -61,13 +61,15 @@ def ours(cfg, rows, model=None):
     return model, features, batch, loss
 
 
-def trl_run(model, rows, template, **options):
-    """TRL's SFTTrainer over the same rows and model: its prepared features and its loss on one batch."""
+def trl_run(model, rows, template, added_tokens=(), **options):
+    """TRL's SFTTrainer over the same rows and model: its prepared features and its loss on one batch.
+    ``added_tokens``: ordinary tokens the template's tokenizer adds after chatml's (chatml-tools' call tags)."""
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
     tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)  # the ids templates.use_template gives
+    tokenizer.add_tokens(list(added_tokens))
     tokenizer.chat_template = template
     args = SFTConfig(output_dir="unused", report_to=[], use_cpu=True, max_length=None,
                      dataset_num_proc=None, **options)

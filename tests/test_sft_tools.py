@@ -11,13 +11,12 @@ import json
 import random
 import re
 
-import datasets
 import pytest
 import torch
 
 from helpers import ROOT, TINY_LM
 from in_process import run_captured, run_main
-from test_sft import GPT2, ours, sft_config
+from test_sft import GPT2, ours, sft_config, trl_run
 
 SMOLLM2 = ROOT / "assets" / "SmolLM2-135M-Instruct"
 
@@ -177,21 +176,8 @@ def test_the_mask_is_exactly_the_assistant_turns_calls_included():
 
 def trl_tools_run(model, rows):
     """TRL's SFTTrainer (assistant_only_loss) over the same rows and model, with chatml-tools' training template."""
-    from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(GPT2)
-    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)  # the ids templates.use_template gives
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = training_template()
-    args = SFTConfig(output_dir="unused", report_to=[], use_cpu=True, max_length=None, dataset_num_proc=None,
-                     assistant_only_loss=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=tokenizer)
-    features = [{k: f[k] for k in ("input_ids", "labels")} for f in trainer.train_dataset]
-    with torch.no_grad():
-        loss = trainer.compute_loss(model, trainer.data_collator(features))
-    return features, loss
+    return trl_run(model, rows, training_template(), added_tokens=["<tool_call>", "</tool_call>"],
+                   assistant_only_loss=True)
 
 
 def test_targets_and_loss_equal_trl_with_tools():
