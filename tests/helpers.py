@@ -397,6 +397,18 @@ def losses_by_step(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
 
+# An XLA run checked for graphs compiled late: 10 steps evaluated every 4 and logged every 2. By step 6 every kind
+# of graph has run (the steps, the evaluation at step 4); steps 7 to 10 and the evaluation at step 8 compile none.
+STEADY_XLA = ["train.max_steps=10", "eval.every_steps=4", "train.log_every=2"]
+
+
+def assert_no_graph_after_the_first_evaluation(out: Path) -> None:
+    """The compiled graphs counted with each logged step's figures (``xla/compiles``) stop growing at step 6 of a
+    ``STEADY_XLA`` run: a longer run would compile no more."""
+    compiles = {r["step"]: r["xla/compiles"] for r in read_metrics(out) if "xla/compiles" in r}
+    assert sorted(compiles) == [2, 4, 6, 8, 10] and compiles[6] == compiles[10], compiles
+
+
 def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 

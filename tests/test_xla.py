@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, WORDS, assert_bitwise_equal_models,
-                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints,
-                     grads, grpo_args, lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments,
-                     targets_of, tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient, TINY_LM)
+from helpers import (CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, STEADY_XLA, TINY_LM, WORDS,
+                     assert_bitwise_equal_models, assert_no_graph_after_the_first_evaluation, assert_same_weights,
+                     batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints, grads, grpo_args,
+                     lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments, targets_of,
+                     tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -222,6 +223,8 @@ def test_chunked_loss_and_gradients_on_xla_equal_the_cpu():
         loss = losses.linear_cross_entropy(hidden, head, targets, CHUNK)
         loss.backward()
         token_losses, correct = losses.token_outputs(hidden.detach(), head, targets, CHUNK)
+        if dev.type == "xla":  # one graph for all of it: each tensor read alone would compile its own (2 min)
+            torch_xla.sync()
         return loss.cpu(), {k: v.cpu() for k, v in grads(model).items()}, token_losses.cpu(), correct.cpu()
 
     # The XLA device first: autograd's engine sizes its device queues at its first backward (the CPU run's).
@@ -248,15 +251,14 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
     args = lambda out, *extra: ["--config", str(recipe), f"model.tokenizer={tokenizer}",  # noqa: E731
                                 f"data.train_file={corpus}", f"output_dir={out}", "backend=auto",
                                 "train.loss_chunk_tokens=48", *extra]
-    short, long, cpu = tmp_path / "short", tmp_path / "long", tmp_path / "cpu"
-    cli(args(short, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2"))
-    cli(args(long, "train.max_steps=16", "eval.every_steps=4", "train.log_every=2"))
-    cli(args(cpu, "train.max_steps=8", "eval.every_steps=4", "train.log_every=2", "backend=cpu"))
-    a, b = summary(short), summary(long)
+    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
+    cli(args(xla, *STEADY_XLA))
+    cli(args(cpu, *STEADY_XLA, "backend=cpu"))
+    a = summary(xla)
     assert a["backend"] == "xla" and summary(cpu)["backend"] == "cpu"
-    assert b["xla"]["compiles"] == a["xla"]["compiles"], (a["xla"], b["xla"])  # twice the steps, no new graph
-    assert a["xla"]["transfers_in_steps"] == b["xla"]["transfers_in_steps"] == 0
-    torch.testing.assert_close(torch.tensor(train_losses(short)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
+    assert_no_graph_after_the_first_evaluation(xla)
+    assert a["xla"]["transfers_in_steps"] == 0
+    torch.testing.assert_close(torch.tensor(train_losses(xla)), torch.tensor(train_losses(cpu)), rtol=1e-4, atol=1e-5)
     assert a["eval"]["perplexity"] == pytest.approx(summary(cpu)["eval"]["perplexity"], rel=1e-4)
 
 
