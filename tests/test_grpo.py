@@ -85,16 +85,18 @@ def trl_trainer(tmp_path_factory):
 OTHER_SHARE_TOKENS = 13
 
 
-@pytest.mark.parametrize("loss,beta,steps", [("dapo", 0.0, 1), ("grpo", 0.0, 1), ("dr_grpo", 0.0, 1),
-                                             ("bnpo", 0.0, 1), ("dapo", 0.04, 1), ("grpo", 0.04, 1),
-                                             ("dapo", 0.0, 2), ("grpo", 0.0, 2)])
-def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
+@pytest.mark.parametrize("loss,beta,steps,level", [
+    ("dapo", 0.0, 1, "token"), ("grpo", 0.0, 1, "token"), ("dr_grpo", 0.0, 1, "token"), ("bnpo", 0.0, 1, "token"),
+    ("dapo", 0.04, 1, "token"), ("grpo", 0.04, 1, "token"), ("dapo", 0.0, 2, "token"), ("grpo", 0.0, 2, "token"),
+    ("grpo", 0.04, 1, "sequence"), ("dapo", 0.0, 2, "sequence")])  # GSPO: one ratio per completion
+def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps, level):
     """For the same rollouts, advantages, old log-probabilities (perturbed, so that some ratios are clipped on
     both sides) and reference log-probabilities, our loss and its gradients equal TRL's ``_compute_loss`` within
     1e-5 (fp32; our log-probabilities through the chunked head, 5 tokens at a time). ``steps`` 2: the rollouts are
     one optimizer step's share of a generation feeding two (``grpo.generation_steps``; TRL's
     ``steps_per_generation``), whose other share has 13 completion tokens: each step divides by its share of the
-    generation's normaliser, as the step does."""
+    generation's normaliser, as the step does. ``level`` sequence: GSPO's ratio, one per completion (TRL's
+    ``importance_sampling_level``)."""
     from transformers import AutoModelForCausalLM
 
     from framework.tasks.completions import target_logprobs
@@ -104,6 +106,7 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
 
     trainer, folder = trl_trainer
     trainer.loss_type, trainer.beta, trainer.args.steps_per_generation = loss, beta, steps
+    trainer.importance_sampling_level = level
     g = torch.Generator().manual_seed(3)
     advantage = torch.randn(len(PROMPTS), generator=g)
     inputs = trl_inputs(advantage, None, None)
@@ -111,7 +114,8 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
         logps = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), MAX_COMPLETION)[0]
-    old = logps + 0.3 * torch.randn(logps.shape, generator=g)
+    # GSPO's ratio is the row's mean log-ratio: rows apart by 0.3, so that some rows are clipped and others not.
+    old = logps + 0.3 * torch.randn(logps.shape if level == "token" else (len(PROMPTS), 1), generator=g)
     ref = logps + 0.5 * torch.randn(logps.shape, generator=g)
     inputs = trl_inputs(advantage, old, ref if beta else None)
     if steps > 1:  # the generation's completion tokens: this share's and the other's
@@ -123,7 +127,8 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
 
     policy = AutoModelForCausalLM.from_pretrained(folder).train()
     algorithm = Grpo(GrpoConfig(loss=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
-                                max_completion_length=MAX_COMPLETION, generation_steps=steps))
+                                max_completion_length=MAX_COMPLETION, generation_steps=steps,
+                                importance_sampling_level=level))
     batch = rollout_batch(PROMPTS, COMPLETIONS, [True] * len(PROMPTS), 1, "cpu")
     length = batch["input_ids"].shape[1]
     batch.update(advantages=advantage, old=ours_layout(old, length), **({"ref": ours_layout(ref, length)} if beta else {}))
@@ -140,7 +145,7 @@ def test_loss_and_gradients_equal_trl(trl_trainer, loss, beta, steps):
     ours_grads = {name.replace("base_model.model.", ""): value for name, value in grads(policy).items()}
     grad_diff = max((ours_grads[name] - value).abs().max().item() for name, value in trl_grads.items())
     scale = max(value.abs().max().item() for value in trl_grads.values())
-    print(f"{loss} beta={beta} generation steps {steps}: loss {our_loss.item():.6f} vs TRL {trl_loss.item():.6f} (|diff| {loss_diff:.1e}), "
+    print(f"{loss} {level} beta={beta} generation steps {steps}: loss {our_loss.item():.6f} vs TRL {trl_loss.item():.6f} (|diff| {loss_diff:.1e}), "
           f"gradients max |diff| {grad_diff:.1e} (largest gradient {scale:.2e})")
     assert ours_grads.keys() == trl_grads.keys()
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
@@ -596,7 +601,8 @@ def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_p
 
 def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
     """Conversation prompts through chatml, three weighted rewards (one skipping rows with None), the KL penalty
-    against a frozen reference (counted by the memory plan), two iterations, the grpo loss, step-wide reward
+    against a frozen reference (counted by the memory plan), two iterations, the grpo loss with GSPO's sequence-level
+    ratio, step-wide reward
     scaling, truncated completions masked: it trains, logs TRL's figures and sampled completions, evaluates
     greedily and samples."""
     import html
@@ -606,6 +612,7 @@ def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_
     args = grpo_args(pair_tokenizer, data, out, "data.chat_template=chatml", "data.max_length=32",
                      f"grpo.reward_functions=[exact_match,{GRPO_REWARDS}:characters,{GRPO_REWARDS}:only_rotten]",
                      "grpo.reward_weights=[1.0,1.0,0.5]", "grpo.beta=0.1", "grpo.iterations=2", "grpo.loss=grpo",
+                     "grpo.importance_sampling_level=sequence",
                      "grpo.scale_rewards=batch", "grpo.mask_truncated_completions=true", "grpo.max_completion_length=8",
                      "grpo.temperature=0.9", "grpo.top_k=20", "train.max_steps=3", "optim.scheduler=linear",
                      "report.enabled=true")

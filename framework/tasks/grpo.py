@@ -5,7 +5,7 @@ Recipe keys: online RL's (framework/tasks/online_rl/task.py) in the ``grpo`` sec
 own ``loss`` and ``scale_rewards``.
 
 Advantages are group-relative (each reward minus its group's mean, over the group's or the step's std). The loss is
-TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level importance sampling,
+TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level importance sampling or GSPO's sequence-level,
 two-sided clipping with ``epsilon``/``epsilon_high``, the k3 KL estimate against the reference with weight ``beta``,
 times the ratio as TRL's default ``use_bias_correction_kl``). Its normaliser, counted over the whole generation:
 dapo the completion tokens, grpo the completions (each a token mean), dr_grpo the completions times
@@ -40,6 +40,10 @@ class GrpoConfig(OnlineConfig):
     """How token losses are averaged (TRL's loss_type): dapo, over the step's completion tokens; grpo, a token mean
     per completion, then over completions; dr_grpo, the token sum over completions x max_completion_length; bnpo,
     each micro-batch's token mean, averaged over micro-batches (the one that depends on the split)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The importance ratio clipped and weighting the advantage: each token's (GRPO), or one per completion, exp of
+    its tokens' mean log-ratio (GSPO, TRL's importance_sampling_level=sequence; the GSPO paper pairs it with
+    loss=grpo, whose token mean per completion makes it the per-sequence objective)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantages are rewards minus their group's mean, divided by (std + 1e-4): the group's std, the whole step's
     (all processes), or not divided."""
@@ -66,8 +70,9 @@ class Grpo:
 
     def loss(self, logps, entropy, rollout):
         g, mask = self.g, (rollout["targets"] != IGNORE).float()
+        sequence = mask if g.importance_sampling_level == "sequence" else None
         per_token, ratio, kl = policy_loss.token_level(logps, rollout.get("old", logps.detach()), rollout.get("ref"),
-                                                       rollout["advantages"], g.epsilon, self.high, g.beta)
+                                                       rollout["advantages"], g.epsilon, self.high, g.beta, sequence)
         clipped = policy_loss.clipped_counts(ratio.detach(), rollout["advantages"].unsqueeze(1), g.epsilon, self.high,
                                              mask)
         kl_sum = (kl.detach() * mask).sum() if kl is not None else mask.new_zeros(())

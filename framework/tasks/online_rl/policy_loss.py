@@ -1,8 +1,8 @@
 """Clipped surrogate policy losses, as TRL computes them, and what their clipping and estimates log.
 
-The ratio is exp(log-probability now - log-probability at sampling) of the trained completion tokens, clipped to
-[1 - epsilon, 1 + epsilon_high]; the loss of a token (``token_level``) or a sequence (``sequence_level``) is
--min(ratio * advantage, clipped ratio * advantage). A micro-batch's share of the step's loss is returned as a sum;
+The ratio is exp(log-probability now - log-probability at sampling) of the trained completion tokens (or of their
+mean over the sequence: GSPO), clipped to [1 - epsilon, 1 + epsilon_high]; the loss of a token (``token_level``) or
+a sequence (``sequence_level``) is -min(ratio * advantage, clipped ratio * advantage). A micro-batch's share of the step's loss is returned as a sum;
 the step divides it by the whole generation's normaliser (framework/tasks/online_rl/step.py)."""
 
 from __future__ import annotations
@@ -18,12 +18,20 @@ def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, low: float, 
 
 
 def token_level(logps: torch.Tensor, old: torch.Tensor, ref: Optional[torch.Tensor], advantage: torch.Tensor,
-                low: float, high: float, beta: float) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                low: float, high: float, beta: float, mask: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Per token (TRL's ``GRPOTrainer._compute_loss``): the clipped surrogate loss of its ratio and its row's
     ``advantage``, plus ``beta`` times the KL estimate against the reference (``ref``; None: no KL); and the ratio
     and the KL estimate. The estimate is k3, times the ratio as TRL 1.16 takes it by default
-    (``use_bias_correction_kl``: the unbiased reverse-KL gradient, DeepSeek-V3.2)."""
-    ratio = torch.exp(logps - old)
+    (``use_bias_correction_kl``: the unbiased reverse-KL gradient, DeepSeek-V3.2).
+
+    With ``mask`` (the trained tokens), the ratio is the sequence's instead (GSPO, TRL's
+    ``importance_sampling_level="sequence"``): exp of the mean log-ratio over the row's trained tokens, one (rows x
+    1) ratio that every token of the row shares, clipped as one."""
+    log_ratio = logps - old
+    if mask is not None:
+        log_ratio = ((log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     loss = clipped_surrogate(ratio, advantage.unsqueeze(1), low, high)
     kl = None
     if ref is not None:
