@@ -169,6 +169,7 @@ class Workload:
     frozen: Sequence[torch.nn.Module] = ()  # models held beside it (DPO's reference: their weights, replicated)
     generated_rows: int = 0  # sequences generated at once in a step (GRPO's completions), each holding a KV cache
     generated_length: int = 0  # the longest each of them gets: prompt and completion, in tokens
+    generated_by: str = ""  # the recipe key of the completions' length, which a cache too large for the device names
 
 def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload: Workload = Workload()) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
@@ -234,6 +235,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
         "kv_cache_bytes": kv_cache,
         "generated_rows": workload.generated_rows,
         "generated_length": workload.generated_length,
+        "generated_by": workload.generated_by,
         "logits_chunk": logits_chunk if token_logits else None,
         "total_bytes": on_device,
     }
@@ -294,6 +296,21 @@ def _logits_held(plan: Dict[str, object]) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / MIB:.1f} MiB"
+
+def generation_refusal(plan: Dict[str, object], device_bytes: Optional[int]) -> Optional[str]:
+    """Why the generation cannot run, where its KV cache and the weights alone exceed the device's memory
+    (``device_bytes``; None: not known): unlike the rest of the plan these two are exact, so no run of this recipe
+    could sample. Names the key of the completions' length."""
+    kv = plan.get("kv_cache_bytes") or 0
+    if not kv or device_bytes is None or kv + plan["weight_bytes"] <= device_bytes:
+        return None
+    key = plan["generated_by"]
+    section = key.split(".")[0]
+    return (f"{key}: the generation's KV cache needs {_mib(kv)} per device ({plan['generated_rows']} sequences x "
+            f"{plan['generated_length']} tokens of prompt and completion) beside the weights' "
+            f"{_mib(plan['weight_bytes'])}, more than the device's {_mib(device_bytes)}; lower {key}, "
+            f"{section}.num_generations or train.batch_size")
+
 
 def capacity_warning(plan: Dict[str, object], device_bytes: Optional[int]) -> Optional[str]:
     """A warning when the plan alone exceeds the device's memory (``device_bytes``: CUDA total memory; None

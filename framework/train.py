@@ -470,6 +470,9 @@ def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) ->
         warning = memory.capacity_warning(run.memory_plan, backend.total_memory_bytes(acc))
         if warning:
             print(f"warning: {warning}", flush=True)
+    refusal = memory.generation_refusal(run.memory_plan, backend.total_memory_bytes(acc))
+    if refusal:  # on every process: each reads the same device
+        raise UserError(refusal)
     if dry_run:
         return None
 

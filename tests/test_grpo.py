@@ -570,6 +570,25 @@ def test_generation_steps_must_divide_the_accumulation(hf_home, pair_tokenizer, 
     assert "grpo.generation_steps: 2 optimizer steps cannot share the generation's 1 micro-batches" in proc.stderr
 
 
+def test_a_generation_larger_than_the_device_is_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path,
+                                                               monkeypatch):
+    """The step's KV cache (16 completions x 27 tokens here) and the weights alone above the device's memory (a
+    device of 200 KiB): exit 2 before anything trains, one line naming the key of the completions' length and the
+    figures; with the machine's own memory the same recipe plans its run."""
+    from framework import backend
+
+    args = grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "--dry-run")
+    assert run_captured(args, hf_home).returncode == 0
+    monkeypatch.setattr(backend, "total_memory_bytes", lambda accelerator: 200 * 1024)
+    proc = run_captured(args, hf_home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: grpo.max_completion_length: the generation's KV cache needs 0.2 MiB per device (16 "
+                           "sequences x 27 tokens of prompt and completion) beside the weights' 0.1 MiB")
+    assert "more than the device's 0.2 MiB; lower grpo.max_completion_length, grpo.num_generations or " \
+           "train.batch_size" in line
+
+
 def test_xla_fsdp_is_refused_by_task(hf_home, pair_tokenizer, pair_data, tmp_path, monkeypatch):
     """On XLA the step generates on the device, but not yet on a model xla_fsdp shards: refused before anything
     loads (tests/test_xla.py trains one device and xla_spmd)."""

@@ -171,9 +171,12 @@ def peak_flops(accelerator: Accelerator) -> Tuple[Optional[float], str]:
 
 
 def total_memory_bytes(accelerator: Accelerator) -> Optional[int]:
-    """The device's memory when it is known (CUDA); None elsewhere."""
+    """The device's memory when it is known: CUDA's; on the CPU the machine's memory, shared by the processes
+    launched on it (LOCAL_WORLD_SIZE); None elsewhere (XLA)."""
     if accelerator.device.type == "cuda":
         return int(torch.cuda.get_device_properties(accelerator.device).total_memory)
+    if accelerator.device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return None
 
 

@@ -278,6 +278,7 @@ class OnlineRun(LanguageRun):
         return dataclasses.replace(super().workload(model), sequences=g.num_generations,
                                    generated_rows=t.batch_size * t.gradient_accumulation_steps * g.num_generations,
                                    generated_length=self.task.sequence_length(self.cfg, model),
+                                   generated_by=f"{self.task.section}.max_completion_length",
                                    frozen=(self.reference.models() if self.reference else []) + self.rewards.models())
 
     def generate(self, model: torch.nn.Module, prompts: List[List[int]], seeds: List[int],
