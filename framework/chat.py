@@ -2,6 +2,7 @@
 
     python -m framework.chat PATH [--system TEXT] [--chat-template chatml|FILE.jinja] [--max-new-tokens N]
                                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device auto|cpu|cuda]
+                                  [--tools FILE.py:FUNCTION ...] [--max-tool-calls N] [--tool-timeout SECONDS]
     python -m framework.chat PATH --prompts FILE > replies.jsonl
 
 PATH: a run's ``model/`` (or its ``output_dir``), a checkpoint folder (``checkpoints/step_N``: its weights with the
@@ -22,8 +23,16 @@ Bad input (a path that does not exist or holds no model, a model that is not a c
 cannot read, a checkpoint only the training setup reads, a prompt file that is missing or holds a bad conversation)
 exits 2 with one ``error:`` line naming it.
 
-Tools (functions the model may call, ``--tools FILE:function``) are for a later change: they would go to the chat
-template with each turn (``Chat.inputs``'s ``tools``) and their calls be run between turns in ``Chat.reply``.
+With ``--tools path/to/file.py:function`` (or ``package.module:function``; several after one ``--tools``) the
+functions' JSON schemas go to the chat template with each turn (a template that shows tools: ``--chat-template
+chatml-tools``, the format the tools SFT and GRPO train), and the calls the model writes
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, also in an assistant message a conversation ends
+with) are run between its turns, as the GRPO tools loop runs them (framework/tasks/online_rl/tools.py: a malformed
+call, an unknown tool, arguments it does not take, a tool that raises or runs past ``--tool-timeout`` seconds give
+the model ``{'error': ...}``), their results given back in tool turns, up to ``--max-tool-calls`` rounds; then the
+model answers. Interactively each call and result is printed as ``[tool NAME(ARGUMENTS) -> RESULT]``; with
+``--prompts`` the reply's line also holds ``"turns"``, the messages the model's turn added (its calls, their
+results, its answer).
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from transformers.utils import logging as transformers_logging
 
 from framework import saved, templates
 from framework.errors import UserError
+from framework.tasks.online_rl.multi_turn import assistant_message
+from framework.tasks.online_rl.tools import Toolbox
 
 RESET, EXIT = "/reset", "/exit"
 TEMPLATE_OPTION = "--chat-template"
@@ -80,28 +91,40 @@ class Chat:
     """A model, its tokenizer and template, and how it replies."""
 
     def __init__(self, model, tokenizer, sampling: Sampling, system: Optional[str] = None,
-                 template: Optional[str] = None):
+                 template: Optional[str] = None, toolbox: Optional[Toolbox] = None, max_tool_calls: int = 4):
         templates.use_template(tokenizer, template, needed=True, key=TEMPLATE_OPTION)
         templates.resize_embeddings(model, tokenizer)  # a built-in template's tokens the tokenizer lacked
         self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.toolbox, self.max_tool_calls = toolbox, max_tool_calls
+        self.schemas = toolbox.schemas if toolbox else None
         stop = list(_ids(model.generation_config.eos_token_id))
         stop += [i for i in templates.end_of_turn_ids(tokenizer, template) if i not in stop] if template else []
         if not stop and tokenizer.eos_token_id is not None:
             stop = [tokenizer.eos_token_id]
+        if toolbox:
+            probe = [{"role": "user", "content": "?"}]
+            if self._render(probe, self.schemas) == self._render(probe, None):
+                raise UserError(f"--tools: the chat template ignores the tools (it renders a conversation the same "
+                                f"without them); use {TEMPLATE_OPTION} chatml-tools, or a template that shows them")
+            end = templates.tool_call_end_id(tokenizer)  # a call ends the turn: its result comes next
+            stop += [end] if end is not None and end not in stop else []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generation = sampling.config(model, stop, pad)
+
+    def _render(self, messages: List[Dict], tools: Optional[List]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools)
 
     def start(self) -> List[Dict]:
         """A new conversation: the system prompt, if any."""
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def inputs(self, messages: List[Dict], tools: Optional[List] = None) -> Dict[str, torch.Tensor]:
-        """The conversation rendered as the template renders it for generation (as the pipeline does: a
-        conversation ending with an assistant message is continued). ``tools``: for a later --tools option."""
+    def inputs(self, messages: List[Dict]) -> Dict[str, torch.Tensor]:
+        """The conversation rendered as the template renders it for generation, with the tools' schemas (as the
+        pipeline does: a conversation ending with an assistant message is continued)."""
         prefill = messages[-1]["role"] == "assistant"
         try:
             inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
-                                                        continue_final_message=prefill, tools=tools,
+                                                        continue_final_message=prefill, tools=self.schemas,
                                                         return_dict=True, return_tensors="pt")
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:  # the template's, on this one
             raise UserError(f"{TEMPLATE_OPTION}: the chat template cannot render this conversation: "
@@ -117,6 +140,30 @@ class Chat:
         with torch.no_grad():
             out = self.model.generate(**inputs, generation_config=self.generation, streamer=streamer)
         return self.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def turn(self, messages: List[Dict], stream: Optional[TextIO] = None) -> List[Dict]:
+        """The messages the model's turn adds to ``messages``: its reply, or with tools each round of calls (an
+        assistant message with its ``tool_calls``, then a tool message per call) before its answer, the last
+        message. A conversation ending with an assistant message is continued: its calls count as the model's.
+        ``stream`` also shows each call and its result."""
+        head, added = list(messages), []
+        prefill = head.pop()["content"] if head[-1]["role"] == "assistant" else None
+        for rounds in range(self.max_tool_calls + 1):
+            conversation = head + added + ([{"role": "assistant", "content": prefill}] if prefill is not None else [])
+            text = (prefill or "") + self.reply(conversation, stream)
+            calls = templates.parse_tool_calls(text) if self.toolbox and rounds < self.max_tool_calls else []
+            if not calls:
+                return added + [{"role": "assistant", "content": text}]
+            added.append(assistant_message(text, calls))
+            tools = self.toolbox.tools_of(None)
+            for call in calls:
+                name, result, _ = self.toolbox.run(call, tools)
+                added.append({"role": "tool", "name": name, "content": result})
+                if stream is not None:
+                    arguments = json.dumps(call.arguments) if isinstance(call, templates.ToolCall) else call.text
+                    stream.write(f"[tool {name}({arguments}) -> {result}]\n")
+            prefill = None
+        raise AssertionError("unreachable: the last round runs no call")
 
 
 class _Streamer(TextStreamer):
@@ -160,7 +207,7 @@ def interact(chat: Chat, stdin: TextIO, stdout: TextIO) -> int:
             stdout.write(f"unknown command {text}: {RESET} starts the conversation again, {EXIT} ends\n")
             continue
         messages.append({"role": "user", "content": text})
-        messages.append({"role": "assistant", "content": chat.reply(messages, stream=stdout)})
+        messages += chat.turn(messages, stream=stdout)
 
 
 def read_prompts(path: Path, system: Optional[str]) -> List[tuple]:
@@ -189,9 +236,15 @@ def read_prompts(path: Path, system: Optional[str]) -> List[tuple]:
 
 
 def answer(chat: Chat, prompts: List[tuple], stdout: TextIO) -> None:
-    """One JSON line per prompt: ``{"prompt": ..., "reply": ...}``."""
+    """One JSON line per prompt: ``{"prompt": ..., "reply": ...}``, and ``"turns"`` (the messages the model's
+    turn added) where it called tools. A continued assistant message's reply is what the model added to it."""
     for prompt, messages in prompts:
-        stdout.write(json.dumps({"prompt": prompt, "reply": chat.reply(messages)}, ensure_ascii=False) + "\n")
+        turns = chat.turn(messages)
+        reply = turns[-1]["content"]
+        if len(turns) == 1 and messages[-1]["role"] == "assistant":
+            reply = reply[len(messages[-1]["content"]):]
+        line = {"prompt": prompt, "reply": reply, **({"turns": turns} if len(turns) > 1 else {})}
+        stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
         stdout.flush()
 
 
@@ -222,7 +275,13 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="seeds the sampling (default: a different draw each time)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where the model runs (auto: a GPU when there is one)")
-    # --tools FILE:function (functions the model may call) comes with a later change: Chat.inputs takes them.
+    parser.add_argument("--tools", nargs="+", default=[], metavar="FILE:FUNCTION",
+                        help="functions the model may call (path/to/file.py:name or package.module:name, each with "
+                             "type hints and a Google-style docstring); with --chat-template chatml-tools")
+    parser.add_argument("--max-tool-calls", type=_positive(int), default=4,
+                        help="rounds of tool calls in one turn before the model must answer (4)")
+    parser.add_argument("--tool-timeout", type=_positive(float), default=10.0,
+                        help="seconds a tool call may run (10)")
     return parser.parse_args(argv)
 
 
@@ -264,9 +323,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError("--device cuda: no GPU is visible to torch here; use --device cpu")
         if args.seed is not None:
             torch.manual_seed(args.seed)
+        toolbox = Toolbox(argparse.Namespace(tools=args.tools, environment=None, tool_timeout=args.tool_timeout),
+                          "chat", tools_key="--tools") if args.tools else None
         model, tokenizer, what = saved.load_causal_lm(args.path)
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
-        chat = Chat(model.to(device), tokenizer, sampling, args.system, args.chat_template)
+        chat = Chat(model.to(device), tokenizer, sampling, args.system, args.chat_template, toolbox,
+                    args.max_tool_calls)
         if prompts is not None:
             answer(chat, prompts, sys.stdout)
             return 0

@@ -104,6 +104,64 @@ def test_the_interactive_chat_keeps_the_conversation_resets_and_exits(random_lla
     assert "/reset starts the conversation again" in done.stderr and "never read" not in done.stdout
 
 
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+'''
+
+
+def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_llama, tmp_path, capsys):
+    """--tools with chatml-tools: a conversation whose assistant message ends in a call (the model's, continued)
+    runs it, gives the result back in a tool turn, and the model then answers: the answer equals transformers'
+    greedy generation from the whole conversation with the tool's schema; a call with a missing argument is the
+    model's mistake (its result an error), not a crash; a template that cannot show tools is refused by name."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import get_json_schema
+
+    from framework import templates
+
+    (tmp_path / "calc.py").write_text(TOOLS)
+    user = {"role": "user", "content": "What is 2 + 3?"}
+    calls = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+             '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>']
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(json.dumps([user, {"role": "assistant", "content": c}]) + "\n" for c in calls))
+    args = [str(random_llama), "--prompts", str(prompts), "--max-new-tokens", str(TOKENS), "--tools",
+            f"{tmp_path / 'calc.py'}:add", "--chat-template", "chatml-tools"]
+    assert chat.main(args) == 0
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    assert first["turns"][:2] == [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                  {"role": "tool", "name": "add", "content": "5"}]
+    assert first["reply"] == first["turns"][2]["content"] and len(first["turns"]) == 3
+    assert second["turns"][1]["content"].startswith("{'error': ") and "'b'" in second["turns"][1]["content"]
+
+    # transformers alone: the template's rendering of the conversation so far with the tool's schema, greedy.
+    namespace = {}
+    exec(TOOLS, namespace)
+    tokenizer = AutoTokenizer.from_pretrained(random_llama)
+    templates.use_template(tokenizer, "chatml-tools")
+    model = AutoModelForCausalLM.from_pretrained(random_llama)
+    templates.resize_embeddings(model, tokenizer)
+    ids = tokenizer.apply_chat_template([user, *first["turns"][:2]], tools=[get_json_schema(namespace["add"])],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    stop = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "</tool_call>")]
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
+                             pad_token_id=tokenizer.pad_token_id or stop[0])
+    assert first["reply"] == tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    # The model's own template shows no tools: refused, naming the option.
+    assert chat.main(args[:-2]) == 2
+    assert "error: --tools: the chat template ignores the tools" in capsys.readouterr().err
+
+
 def test_a_checkpoint_chats_as_the_model_it_was(sft_run, tmp_path, capsys):
     """checkpoints/step_20 (accelerate's state: the weights, rebuilt into the model the run's recipe makes, with the
     run's tokenizer and template) answers as model/, saved at the same step."""
