@@ -19,7 +19,9 @@ import torch
 from helpers import (KILL_SCRIPT, LAUNCHERS_RUN, ROOT, RUN, assert_bitwise_equal_models, assert_same_weights,
                      environment, finish, free_port, machines, run_ok, tiny_args, train_losses)
 
-pytestmark = [pytest.mark.multiprocess,
+# make test-slow (with the Slurm and Ray launchers' tests): several launchers of several processes each, minutes in
+# all; make ci runs them beside the CPU tier, which they used to lengthen.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess,
               pytest.mark.skipif(torch.cuda.is_available(), reason="backend auto would train on the GPU here")]
 
 COMMON = LAUNCHERS_RUN  # two_process_run (conftest.py) is this run on one machine of 2 processes
@@ -147,7 +149,6 @@ def torchrun_node(rank: int, args: Sequence[str], hf_home: Path, port: int, scri
                             start_new_session=True)
 
 
-@pytest.mark.slow
 def test_plain_torchrun_elastic_survives_a_node_killed_and_started_again(two_process_run, tiny_model, easy_data,
                                                                           hf_home, tmp_path):
     """torchrun --rdzv_backend c10d --max_restarts 2, 2 nodes of 1 process: node 1 (its agent and its worker) is
