@@ -102,17 +102,11 @@ class Chat:
         if not stop and tokenizer.eos_token_id is not None:
             stop = [tokenizer.eos_token_id]
         if toolbox:
-            probe = [{"role": "user", "content": "?"}]
-            if self._render(probe, self.schemas) == self._render(probe, None):
-                raise UserError(f"--tools: the chat template ignores the tools (it renders a conversation the same "
-                                f"without them); use {TEMPLATE_OPTION} chatml-tools, or a template that shows them")
+            templates.check_tools_shown(tokenizer, self.schemas, "--tools", key=TEMPLATE_OPTION)
             end = templates.tool_call_end_id(tokenizer)  # a call ends the turn: its result comes next
             stop += [end] if end is not None and end not in stop else []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generation = sampling.config(model, stop, pad)
-
-    def _render(self, messages: List[Dict], tools: Optional[List]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools)
 
     def start(self) -> List[Dict]:
         """A new conversation: the system prompt, if any."""
@@ -155,9 +149,8 @@ class Chat:
             if not calls:
                 return added + [{"role": "assistant", "content": text}]
             added.append(assistant_message(text, calls))
-            tools = self.toolbox.tools_of(None)
             for call in calls:
-                name, result, _ = self.toolbox.run(call, tools)
+                name, result, _ = self.toolbox.run(call, self.toolbox.functions)
                 added.append({"role": "tool", "name": name, "content": result})
                 if stream is not None:
                     arguments = json.dumps(call.arguments) if isinstance(call, templates.ToolCall) else call.text

@@ -103,7 +103,12 @@ KEY = "data.chat_template"
 # the loaded model, read by framework/adapters.py before peft wraps it; never saved).
 NEW_ROWS = "_framework_new_token_rows"
 RENDER_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError)  # a template that cannot render a row
-TOOLS_HINT = f"set {KEY} to a template that renders tools and tool calls, such as the built-in chatml-tools"
+def tools_hint(key: str = KEY) -> str:
+    """How to fix a template that cannot show tools, ``key`` being where the template is chosen."""
+    return f"set {key} to a template that renders tools and tool calls, such as the built-in chatml-tools"
+
+
+TOOLS_HINT = tools_hint()
 
 
 def use_template(tokenizer, name: Optional[str], needed: bool = True, key: str = KEY) -> List[str]:
@@ -322,25 +327,35 @@ def _cannot_render(where: str, error: Exception, messages: Sequence[Dict], tools
                      f"({hint})")
 
 
-def check_tool_support(tokenizer, messages: Sequence[Dict], tools: Optional[List[Dict]], where: str) -> None:
+def check_tool_support(tokenizer, messages: Sequence[Dict], tools: Optional[List[Dict]], where: str,
+                       key: str = KEY) -> None:
     """Refuse a template that renders a conversation's ``tools``, or its assistant messages' tool calls, as if
     they were not there, or cannot render the calls (SmolLM2's and the plain chatml template do not take
-    either): the model would be trained on answers to tools it was never shown, or on calls not in its tokens."""
+    either): the model would be trained on answers to tools it was never shown, or on calls not in its tokens.
+    ``key``: where the template is chosen (the recipe's ``data.chat_template``, the chat's ``--chat-template``)."""
     has_calls = any(m.get("tool_calls") for m in messages)
     bare = [{k: v for k, v in m.items() if k != "tool_calls"} | {"content": m.get("content") or ""}
             if m.get("tool_calls") else m for m in messages]
     if tools and render(tokenizer, bare, where, tools=tools) == render(tokenizer, bare, where):
-        raise UserError(f"{KEY}: the chat template ignores the tools of {where}: it renders the conversation the "
-                        f"same without them; {TOOLS_HINT}")
+        raise UserError(f"{key}: the chat template ignores the tools of {where}: it renders the conversation the "
+                        f"same without them; {tools_hint(key)}")
     if has_calls:
         try:
             rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, tools=tools or None)
         except RENDER_ERRORS as e:
-            raise UserError(f"{KEY}: the chat template cannot render the tool calls of {where}: "
-                            f"{str(e).splitlines()[0]}; {TOOLS_HINT}") from None
+            raise UserError(f"{key}: the chat template cannot render the tool calls of {where}: "
+                            f"{str(e).splitlines()[0]}; {tools_hint(key)}") from None
         if rendered == render(tokenizer, bare, where, tools=tools):
-            raise UserError(f"{KEY}: the chat template ignores the tool calls of {where}: it renders the "
-                            f"conversation the same without them; {TOOLS_HINT}")
+            raise UserError(f"{key}: the chat template ignores the tool calls of {where}: it renders the "
+                            f"conversation the same without them; {tools_hint(key)}")
+
+
+def check_tools_shown(tokenizer, schemas: List[Dict], where: str, key: str = KEY) -> None:
+    """``check_tool_support`` on a probe where a model would call tools: a question, then a call of the first of
+    ``schemas`` (the tools ``where`` names)."""
+    call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+    check_tool_support(tokenizer, [{"role": "user", "content": "?"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]}], schemas, where, key)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = False) -> Tuple[List[int], List[Tuple[int, int]]]:

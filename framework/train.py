@@ -464,13 +464,14 @@ def _final_harness(run: Run, reporter: Reporter, state: TrainState, model: torch
 def _run(run: Run, started: float, dry_run: bool, signals: Optional[Signals]) -> Optional[Dict]:
     cfg, acc = run.cfg, run.accelerator
     out = Path(cfg.output_dir)
+    device_bytes = backend.total_memory_bytes(acc)
     if acc.is_main_process:
         print(format_plan(run.plan), flush=True)
         print(memory.format_plan(run.memory_plan), flush=True)
-        warning = memory.capacity_warning(run.memory_plan, backend.total_memory_bytes(acc))
+        warning = memory.capacity_warning(run.memory_plan, device_bytes)
         if warning:
             print(f"warning: {warning}", flush=True)
-    refusal = memory.generation_refusal(run.memory_plan, backend.total_memory_bytes(acc))
+    refusal = memory.generation_refusal(run.memory_plan, device_bytes)
     if refusal:  # on every process: each reads the same device
         raise UserError(refusal)
     if dry_run:

@@ -157,9 +157,11 @@ def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_l
         out = model.generate(**ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
                              pad_token_id=tokenizer.pad_token_id or stop[0])
     assert first["reply"] == tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    # The model's own template shows no tools: refused, naming the option.
+    # The model's own template shows no tools: refused, naming the option that chooses the template.
     assert chat.main(args[:-2]) == 2
-    assert "error: --tools: the chat template ignores the tools" in capsys.readouterr().err
+    assert "error: --chat-template: the chat template ignores the tools of --tools: it renders the conversation " \
+           "the same without them; set --chat-template to a template that renders tools and tool calls" \
+           in capsys.readouterr().err
 
 
 def test_a_checkpoint_chats_as_the_model_it_was(sft_run, tmp_path, capsys):

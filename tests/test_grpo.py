@@ -621,9 +621,8 @@ def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_p
 def test_conversations_reference_and_every_option(hf_home, pair_tokenizer, pair_data, tmp_path, capsys):
     """Conversation prompts through chatml, three weighted rewards (one skipping rows with None), the KL penalty
     against a frozen reference (counted by the memory plan), two iterations, the grpo loss with GSPO's sequence-level
-    ratio, step-wide reward
-    scaling, truncated completions masked: it trains, logs TRL's figures and sampled completions, evaluates
-    greedily and samples."""
+    ratio, step-wide reward scaling, truncated completions masked: it trains, logs TRL's figures and sampled
+    completions, evaluates greedily and samples."""
     import html
 
     data = chat_prompts(pair_data, tmp_path)

@@ -5,9 +5,10 @@ Recipe keys: online RL's (framework/tasks/online_rl/task.py) in the ``grpo`` sec
 own ``loss`` and ``scale_rewards``.
 
 Advantages are group-relative (each reward minus its group's mean, over the group's or the step's std). The loss is
-TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level importance sampling or GSPO's sequence-level,
-two-sided clipping with ``epsilon``/``epsilon_high``, the k3 KL estimate against the reference with weight ``beta``,
-times the ratio as TRL's default ``use_bias_correction_kl``). Its normaliser, counted over the whole generation:
+TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type`` dapo, grpo, dr_grpo, bnpo; token-level importance sampling
+or GSPO's sequence-level, two-sided clipping with ``epsilon``/``epsilon_high``, the k3 KL estimate against the
+reference with weight ``beta``, times the ratio as TRL's default ``use_bias_correction_kl``). Its normaliser, counted
+over the whole generation:
 dapo the completion tokens, grpo the completions (each a token mean), dr_grpo the completions times
 ``max_completion_length``. bnpo is by definition the mean over micro-batches of each micro-batch's token mean (TRL:
 "normalization is performed over the local batch only"): it alone depends on the split; dapo is its split-free

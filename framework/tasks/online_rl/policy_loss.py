@@ -2,8 +2,9 @@
 
 The ratio is exp(log-probability now - log-probability at sampling) of the trained completion tokens (or of their
 mean over the sequence: GSPO), clipped to [1 - epsilon, 1 + epsilon_high]; the loss of a token (``token_level``) or
-a sequence (``sequence_level``) is -min(ratio * advantage, clipped ratio * advantage). A micro-batch's share of the step's loss is returned as a sum;
-the step divides it by the whole generation's normaliser (framework/tasks/online_rl/step.py)."""
+a sequence (``sequence_level``) is -min(ratio * advantage, clipped ratio * advantage). A micro-batch's share of the
+step's loss is returned as a sum; the step divides it by the whole generation's normaliser
+(framework/tasks/online_rl/step.py)."""
 
 from __future__ import annotations
 

@@ -208,10 +208,7 @@ class OnlineRL(CausalLM):
         mistake in them stops the run before it trains)."""
         schemas = tools.Toolbox(self.settings(cfg), self.section).schemas
         if schemas:  # a template that renders the tools or the calls as if they were not there is refused
-            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
-            templates.check_tool_support(tokenizer, [{"role": "user", "content": "?"},
-                                                     {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                         schemas, f"{self.section}.tools")
+            templates.check_tools_shown(tokenizer, schemas, f"{self.section}.tools")
         return prepare_prompts(ds, tokenizer, self.settings(cfg).prompt_column, cfg.data.max_length,
                                f"{self.section}.prompt_column", schemas)
 

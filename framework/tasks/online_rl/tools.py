@@ -67,7 +67,7 @@ class Toolbox:
     def __init__(self, settings, section: str, tools_key: Optional[str] = None):
         """``tools_key``: what the functions' mistakes name (default ``SECTION.tools``; the chat's ``--tools``)."""
         self.section, self.timeout = section, settings.tool_timeout
-        key = tools_key or f"{section}.tools"
+        tools_key = key = tools_key or f"{section}.tools"
         self.functions: Dict[str, Callable] = {}
         self.schemas: List[Dict[str, Any]] = []
         for spec in settings.tools:
@@ -96,8 +96,7 @@ class Toolbox:
         names = [s["function"]["name"] for s in self.schemas]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise UserError(f"{tools_key or section + '.tools'}: more than one tool is named {', '.join(twice)}; "
-                            "rename one")
+            raise UserError(f"{tools_key}: more than one tool is named {', '.join(twice)}; rename one")
 
     def __bool__(self) -> bool:
         """Whether rollouts run the tool loop: there are tools, or an environment."""
