@@ -491,6 +491,30 @@ def cli_runner(hf_home: Path):
     return run
 
 
+ONE_LAUNCH = TESTS / "scripts" / "one_launch.py"
+
+
+def runs_in_one_launch(hf_home: Path, runs: Dict[str, List[str]], launch: str, folder: Path,
+                       processes: int = 2) -> Dict[str, subprocess.CompletedProcess]:
+    """The runs (name: arguments), one after another in the processes of one ``accelerate launch`` with
+    accelerate_configs/LAUNCH (tests/scripts/one_launch.py): each run's result as its own launch's would be (the
+    worst status of its processes; their stdout, and their stderr with torchrun's ``[rankR]:`` prefixes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "runs.json"
+    spec.write_text(json.dumps([{"args": args, "log": str(folder / name)} for name, args in runs.items()]))
+    launch_args = ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+    proc = cli_runner(hf_home)([str(spec)], launch=launch, launch_args=launch_args, script=ONE_LAUNCH,
+                               timeout=300 + 120 * len(runs))
+    results = {}
+    for name, args in runs.items():
+        ranks = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(processes)]
+        results[name] = subprocess.CompletedProcess(
+            args, max((r["status"] for r in ranks), key=abs), "".join(r["stdout"] for r in ranks),
+            "".join(f"[rank{i}]: {line}\n" for i, r in enumerate(ranks) for line in r["stderr"].splitlines()))
+    assert proc.returncode == 0
+    return results
+
+
 def crash_then_resume(hf_home, args, kill_at_micro, launch=None, in_process=True, launch_args=()):
     """Run until SIGKILL at the chosen micro-batch, then run the same command again to the end. The second run
     is launched as the first was (with the same ``launch_args``) when ``launch`` names a config or ``in_process``

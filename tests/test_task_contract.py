@@ -10,16 +10,18 @@ The runs of a task are made once (module scope), when a check first needs them, 
 
 from __future__ import annotations
 
+import subprocess
 from functools import cached_property
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
 
-from helpers import (LLAMA_CONFIG, ROOT, assert_bitwise_equal_models, assert_same_weights, cli_runner, cores, crash_then_resume,
+from helpers import (LLAMA_CONFIG, ROOT, assert_bitwise_equal_models, assert_same_weights, cores, crash_then_resume,
                      documents, dpo_args, grpo_args, lm_args, losses_by_step, mlm_args, pairs, preferences, read_metrics,
-                     review_conversations, reward_model_args, rloo_args, sft_args, summary, synthetic_rows, task_names,
-                     tiny_args, write_jsonl)
+                     review_conversations, reward_model_args, rloo_args, runs_in_one_launch, sft_args, summary,
+                     synthetic_rows, task_names, tiny_args, write_jsonl)
 from in_process import run_captured, train_ok
 
 # The language models' runs: one document per row (packing off; masked LMs never pack): micro-batches of very
@@ -141,6 +143,14 @@ REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built unde
 # A sharded strategy sums each gradient in another order than one process (reduce-scatter or bucketed reductions):
 # tests/test_fsdp.py's bounds, for weights and the logged losses.
 SHARDED_WEIGHTS, SHARDED_LOSSES = (1e-4, 2e-5), 1e-5
+# The 2-process runs, in the order one launch makes them: DDP's equivalence run first, DeepSpeed's after the runs
+# without it.
+LAUNCHED = {"two": ("cpu_ddp.yaml", []), **{s: STRATEGIES[s] for s in ("tp", "zero2", "zero3", "fsdp2")}}
+
+
+def refused_before_loading(task: str, cell: str) -> bool:
+    """Refused by key before anything loads, in one process as in two: no launch."""
+    return (task, cell) in REFUSED and cell in SHARDING
 
 
 def test_every_task_has_a_contract():
@@ -154,6 +164,7 @@ class Runs:
         self.task, self.spec, self.tmp = task, CONTRACTS[task], tmp
         self.hf_home = request.getfixturevalue("hf_home")
         self.inputs = [request.getfixturevalue(name) for name in self.spec["fixtures"]]
+        self.results = {}
 
     @property
     def steps(self) -> int:
@@ -193,11 +204,32 @@ class Runs:
 
     @cached_property
     def two_processes(self) -> Path:
-        proc = cli_runner(self.hf_home)(self.equivalence("two", f"train.batch_size={self.spec['batch'] // 2}"),
-                                        launch="cpu_ddp.yaml")
+        proc = self.launched("two")
+        assert proc.returncode == 0, proc.stderr[-3000:]
         assert "num_processes: 2" in proc.stdout
         self.two_stdout = proc.stdout
         return self.tmp / "two"
+
+    def recipe(self, strategy: str) -> List[str]:
+        """A strategy's cell: half the batch on each process (all of it under tensor parallelism, whose processes
+        see the same batches, on the tiny Llama where the task's model has no plan), a checkpoint half way."""
+        batch, model = self.spec["batch"] // 2, []
+        if strategy == "tp":
+            batch, model = self.spec["batch"], (LLAMA if self.task in TP_LLAMA else [])
+        return [f"train.batch_size={batch}", *model, f"checkpoint.every_steps={self.steps // 2}"]
+
+    def launched(self, cell: str) -> subprocess.CompletedProcess:
+        """A 2-process run, "two" (DDP, the equivalence run) or a strategy's cell, made in one launch with the
+        task's other cells of the same launch config (helpers.runs_in_one_launch: a launch each would start 4
+        times as many processes)."""
+        config = LAUNCHED[cell][0]
+        if cell not in self.results:
+            cells = [c for c in LAUNCHED if LAUNCHED[c][0] == config and not refused_before_loading(self.task, c)]
+            args = {c: self.equivalence(c, *(self.recipe(c) if c in STRATEGIES else
+                                             [f"train.batch_size={self.spec['batch'] // 2}"]), *LAUNCHED[c][1])
+                    for c in cells}
+            self.results.update(runs_in_one_launch(self.hf_home, args, config, self.tmp / f"launch_{config}"))
+        return self.results[cell]
 
 
 @pytest.fixture(scope="module")
@@ -270,23 +302,15 @@ def test_two_processes_share_the_cores_and_count_each_eval_example_once(runs):
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @tasks("two_processes")
 def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or_is_refused(runs, strategy):
-    from helpers import free_port
-
-    launch, keys = STRATEGIES[strategy]
-    out, one, batch, model = runs.tmp / strategy, runs.one, runs.spec["batch"] // 2, []
-    refused = REFUSED.get((runs.task, strategy))
-    if refused and strategy in SHARDING:  # refused before anything loads, in one process as in two: no launch
-        proc = run_captured(runs.equivalence(strategy, *keys), runs.hf_home)
+    out, one, refused = runs.tmp / strategy, runs.one, REFUSED.get((runs.task, strategy))
+    if refused_before_loading(runs.task, strategy):
+        proc = run_captured(runs.equivalence(strategy, *STRATEGIES[strategy][1]), runs.hf_home)
         assert proc.returncode == 2 and refused in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert not (out / "summary.json").exists()
         return
     if strategy == "tp":
-        batch, model = runs.spec["batch"], (LLAMA if runs.task in TP_LLAMA else [])
         one = runs.one_llama if runs.task in TP_LLAMA else None
-    # The checkpoint column: the cell saves a checkpoint half way, resumed below on one process.
-    recipe = [f"train.batch_size={batch}", *model, f"checkpoint.every_steps={runs.steps // 2}"]
-    proc = cli_runner(runs.hf_home)(runs.equivalence(strategy, *recipe, *keys), launch=launch, check=False,
-                                    launch_args=["--num_processes", "2", "--main_process_port", str(free_port())])
+    proc = runs.launched(strategy)
     if refused:  # tensor parallelism's: the model's missing plan, found with both processes
         assert proc.returncode != 0 and refused in proc.stderr and "[rank0]: Traceback" not in proc.stderr, \
             proc.stderr[-3000:]
@@ -297,7 +321,7 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
     assert summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed", "tensor parallel"))
     spec = dict(runs.spec, weights=runs.spec["weights"] and SHARDED_WEIGHTS, losses=SHARDED_LOSSES)
     assert_equivalent(spec, out, one)
-    assert_resumes_on_one_process(runs, strategy, recipe, one)
+    assert_resumes_on_one_process(runs, strategy, runs.recipe(strategy), one)
 
 
 def assert_resumes_on_one_process(runs, strategy: str, recipe, one: Path) -> None:
