@@ -16,11 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_then_resume, lm_args, lora_lm_args, losses_by_step, summary, weights
+from helpers import crash_then_resume, lm_args, lora_lm_args, losses_by_step, runs_in_one_launch, summary, weights
 from sharding import COMMON, CUDA, LOSS_TOLERANCE, WEIGHT_TOLERANCE, launch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]'")
-LEFT_BEHIND = Path(__file__).resolve().parent / "scripts" / "left_behind.py"
 FAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_at.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(CUDA, reason="the CPU path; make test-gpu runs ZeRO on GPUs")]
 
@@ -31,16 +30,18 @@ def zero_args(word_tokenizer, corpus, out: Path, stage: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory, corpus, word_tokenizer, cli_module):
-    """zero_runs(stage): that stage's run (output folder, arguments, process), made once for the tests that read it."""
+def zero_runs(tmp_path_factory, corpus, word_tokenizer, hf_home):
+    """zero_runs(stage): that stage's run (output folder, arguments, process), the three made in one launch for the
+    tests that read them (each run's stdout ends with what it left alive in each process: tests/scripts/one_launch.py)."""
+    folder = tmp_path_factory.mktemp("zero")
+    args = {stage: zero_args(word_tokenizer, corpus, folder / f"zero{stage}", stage) for stage in (1, 2, 3)}
     made = {}
 
     def run(stage: int):
-        if stage not in made:
-            out = tmp_path_factory.mktemp(f"zero{stage}") / "out"
-            args = zero_args(word_tokenizer, corpus, out, stage)
-            # Through tests/scripts/left_behind.py: what the run left alive in each process is reported after it.
-            made[stage] = out, args, cli_module(args, launch="cpu_ddp.yaml", launch_args=launch(), script=LEFT_BEHIND)
+        if not made:
+            procs = runs_in_one_launch(hf_home, {f"zero{s}": a for s, a in args.items()}, "cpu_ddp.yaml", folder)
+            made.update({s: (folder / f"zero{s}", args[s], procs[f"zero{s}"]) for s in args})
+        assert made[stage][2].returncode == 0, made[stage][2].stderr[-3000:]
         return made[stage]
     return run
 
@@ -82,17 +83,16 @@ def test_zero_on_2_cpu_processes_trains_what_ddp_does(stage, ddp_lm_run, zero_ru
                   "max weight difference": max((wa[k] - wb[k]).abs().max().item() for k in wa)})
 
 
-def test_bf16_under_zero2_and_zero3_follows_ddp_bf16(ddp_lm_run, cli_module, corpus, word_tokenizer, tmp_path):
+def test_bf16_under_zero2_and_zero3_follows_ddp_bf16(ddp_lm_run, hf_home, corpus, word_tokenizer, tmp_path):
     """precision=bf16: DDP autocasts fp32 weights, DeepSpeed's bf16 mode trains bf16 weights over fp32 master
     copies, so the two differ by bf16's rounding: over 12 steps the losses stay within 1e-3 of DDP's (measured
     3.2e-4), and model/ holds the bf16 weights DeepSpeed trained (the fp32 masters stay in the checkpoints)."""
-    runs = {}
-    for name, keys in [("ddp", ["distributed.strategy=ddp"]), ("zero2", ["distributed.strategy=deepspeed"]),
-                       ("zero3", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"])]:
-        runs[name] = tmp_path / name
-        proc = cli_module(lm_args(word_tokenizer, corpus, runs[name], *COMMON, "precision=bf16", *keys),
-                          launch="cpu_ddp.yaml", launch_args=launch())
-        assert "precision: bf16" in proc.stdout
+    keys = {"ddp": ["distributed.strategy=ddp"], "zero2": ["distributed.strategy=deepspeed"],
+            "zero3": ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]}
+    runs = {name: tmp_path / name for name in keys}
+    procs = runs_in_one_launch(hf_home, {name: lm_args(word_tokenizer, corpus, runs[name], *COMMON, "precision=bf16",
+                                                       *keys[name]) for name in keys}, "cpu_ddp.yaml", tmp_path)
+    assert all(p.returncode == 0 and "precision: bf16" in p.stdout for p in procs.values()), procs
     reference = losses_by_step(runs["ddp"])
     assert len(reference) == 12 and losses_by_step(ddp_lm_run) != reference  # bf16 changed the fp32 run's losses
     for name in ("zero2", "zero3"):
@@ -130,17 +130,18 @@ def test_a_zero_checkpoint_resumes_bitwise_after_sigkill(stage, zero_runs, hf_ho
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_the_launch_configs_stage_runs_and_a_contradicting_recipe_is_refused(cli_module, corpus, word_tokenizer,
+def test_the_launch_configs_stage_runs_and_a_contradicting_recipe_is_refused(hf_home, corpus, word_tokenizer,
                                                                              tmp_path):
     """accelerate_configs/deepspeed_zero3.yaml with the recipe's stage unset (strategy auto): ZeRO-3 runs. The same
     launch with distributed.deepspeed.zero_stage=2: exit 2 naming both stages."""
     out = tmp_path / "zero3"
-    args = lm_args(word_tokenizer, corpus, out, *COMMON[:1], "train.max_steps=2", "train.cpu_threads=1")
-    proc = cli_module(args, launch="deepspeed_zero3.yaml", launch_args=launch())
+    runs = {"zero3": lm_args(word_tokenizer, corpus, out, *COMMON[:1], "train.max_steps=2", "train.cpu_threads=1"),
+            "bad": lm_args(word_tokenizer, corpus, tmp_path / "bad", "backend=cpu", "distributed.deepspeed.zero_stage=2")}
+    procs = runs_in_one_launch(hf_home, runs, "deepspeed_zero3.yaml", tmp_path / "launch")
+    proc, bad = procs["zero3"], procs["bad"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy: deepspeed (ZeRO stage 3)" in proc.stdout and "num_processes: 2" in proc.stdout
-    bad = cli_module(lm_args(word_tokenizer, corpus, tmp_path / "bad", "backend=cpu", "distributed.deepspeed.zero_stage=2"),
-                     launch="deepspeed_zero3.yaml", launch_args=launch(), check=False)
-    assert bad.returncode != 0 and "[rank0]: Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
     assert ("distributed.deepspeed.zero_stage: 2, but the launch config sets ZeRO stage 3; set "
             "distributed.deepspeed.zero_stage=3 or null") in bad.stderr
     assert not os.path.exists(tmp_path / "bad" / "summary.json")
@@ -190,18 +191,16 @@ def test_a_weight_made_nan_under_zero3_stops_the_run_before_its_checkpoint(cli, 
     assert not (out / "model").exists()
 
 
-def test_lora_under_zero2_and_zero3_trains_what_ddp_does(cli_module, pretrained_lm, corpus, tmp_path):
+def test_lora_under_zero2_and_zero3_trains_what_ddp_does(hf_home, pretrained_lm, corpus, tmp_path):
     """LoRA (r 4) on a pretrained tiny GPT-2, the adapter and the merged model against DDP's: ZeRO-2 bitwise (only
     the adapters' gradients are reduced, in DDP's order), ZeRO-3 within 2.2e-7 (measured)."""
     common = ["backend=cpu", "train.max_steps=12", "train.log_every=1", "peft.merge=true", "train.cpu_threads=1"]
-    runs = {}
-    for name, keys, launch_config in [("ddp", ["distributed.strategy=ddp"], "cpu_ddp.yaml"),
-                                      ("zero2", ["distributed.strategy=deepspeed"], "cpu_ddp.yaml"),
-                                      ("zero3", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"],
-                                       "cpu_ddp.yaml")]:
-        runs[name] = tmp_path / name
-        cli_module(lora_lm_args(pretrained_lm, corpus, runs[name], *common, *keys), launch=launch_config,
-                   launch_args=launch())
+    keys = {"ddp": ["distributed.strategy=ddp"], "zero2": ["distributed.strategy=deepspeed"],
+            "zero3": ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]}
+    runs = {name: tmp_path / name for name in keys}
+    procs = runs_in_one_launch(hf_home, {name: lora_lm_args(pretrained_lm, corpus, runs[name], *common, *keys[name])
+                                         for name in keys}, "cpu_ddp.yaml", tmp_path)
+    assert all(p.returncode == 0 for p in procs.values()), procs
     for name, tolerance in (("zero2", dict(rtol=0, atol=0)), ("zero3", dict(rtol=1e-5, atol=1e-6))):
         for file in ("adapter/adapter_model.safetensors", "model.safetensors"):
             got, expected = (load_file(runs[r] / "model" / file) for r in (name, "ddp"))
