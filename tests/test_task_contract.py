@@ -120,14 +120,15 @@ CONTRACTS = {
 
 
 # The task x strategy matrix, the one owner of "strategy X trains what one process does": each strategy on 2 CPU
-# processes (its launch, its keys). tests/test_fsdp.py and tests/test_deepspeed.py go deeper into each (resume,
-# memory, the contracts with accelerate and DeepSpeed). Found by it: the default recipe's BERT classifier under FSDP2
-# ended in a TypeError inside fully_shard (BERT lists its embeddings among its blocks, which accelerate then sharded
-# twice: backend.fsdp2_wrap_classes leaves the embeddings' block out).
-STRATEGIES = {"fsdp2": ("fsdp.yaml", ["distributed.strategy=fsdp"]),
-              "zero2": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=2"]),
-              "zero3": ("cpu_ddp.yaml", ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]),
-              "tp": ("cpu_ddp.yaml", ["distributed.tensor_parallel=2"])}
+# processes, chosen by its keys (the launch configs that choose one, fsdp.yaml and deepspeed_*.yaml, are
+# tests/test_launch.py's, tests/test_fsdp.py's and tests/test_deepspeed.py's). Those files go deeper into each
+# (resume, memory, the contracts with accelerate and DeepSpeed). Found by it: the default recipe's BERT classifier
+# under FSDP2 ended in a TypeError inside fully_shard (BERT lists its embeddings among its blocks, which accelerate
+# then sharded twice: backend.fsdp2_wrap_classes leaves the embeddings' block out).
+STRATEGIES = {"fsdp2": ["distributed.strategy=fsdp"],
+              "zero2": ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=2"],
+              "zero3": ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"],
+              "tp": ["distributed.tensor_parallel=2"]}
 # Tensor parallelism needs a model with a plan in transformers: the tasks whose tiny model is a GPT-2 built from its
 # config take tests/tiny_llama.yaml's Llama instead (untied head), in the TP run and in its 1-process reference,
 # with the whole batch (both processes of the tp dimension see the same batches). The MiniLM classifier and the
@@ -143,9 +144,9 @@ REFUSED = {**{("dpo", s): "dpo.loss: sigmoid's reference model is not built unde
 # A sharded strategy sums each gradient in another order than one process (reduce-scatter or bucketed reductions):
 # tests/test_fsdp.py's bounds, for weights and the logged losses.
 SHARDED_WEIGHTS, SHARDED_LOSSES = (1e-4, 2e-5), 1e-5
-# The 2-process runs, in the order one launch makes them: DDP's equivalence run first, DeepSpeed's after the runs
-# without it.
-LAUNCHED = {"two": ("cpu_ddp.yaml", []), **{s: STRATEGIES[s] for s in ("tp", "zero2", "zero3", "fsdp2")}}
+# A task's 2-process runs, in the order its one launch (accelerate_configs/cpu_ddp.yaml) makes them: DDP's
+# equivalence run first, DeepSpeed's after the runs without it.
+LAUNCHED = {"two": [], **{s: STRATEGIES[s] for s in ("tp", "fsdp2", "zero2", "zero3")}}
 
 
 def refused_before_loading(task: str, cell: str) -> bool:
@@ -220,15 +221,13 @@ class Runs:
 
     def launched(self, cell: str) -> subprocess.CompletedProcess:
         """A 2-process run, "two" (DDP, the equivalence run) or a strategy's cell, made in one launch with the
-        task's other cells of the same launch config (helpers.runs_in_one_launch: a launch each would start 4
-        times as many processes)."""
-        config = LAUNCHED[cell][0]
-        if cell not in self.results:
-            cells = [c for c in LAUNCHED if LAUNCHED[c][0] == config and not refused_before_loading(self.task, c)]
+        task's other cells (helpers.runs_in_one_launch: a launch each would start 5 times as many processes)."""
+        if not self.results:
+            cells = [c for c in LAUNCHED if not refused_before_loading(self.task, c)]
             args = {c: self.equivalence(c, *(self.recipe(c) if c in STRATEGIES else
-                                             [f"train.batch_size={self.spec['batch'] // 2}"]), *LAUNCHED[c][1])
+                                             [f"train.batch_size={self.spec['batch'] // 2}"]), *LAUNCHED[c])
                     for c in cells}
-            self.results.update(runs_in_one_launch(self.hf_home, args, config, self.tmp / f"launch_{config}"))
+            self.results = runs_in_one_launch(self.hf_home, args, "cpu_ddp.yaml", self.tmp / "launch")
         return self.results[cell]
 
 
@@ -304,7 +303,7 @@ def test_two_processes_share_the_cores_and_count_each_eval_example_once(runs):
 def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or_is_refused(runs, strategy):
     out, one, refused = runs.tmp / strategy, runs.one, REFUSED.get((runs.task, strategy))
     if refused_before_loading(runs.task, strategy):
-        proc = run_captured(runs.equivalence(strategy, *STRATEGIES[strategy][1]), runs.hf_home)
+        proc = run_captured(runs.equivalence(strategy, *STRATEGIES[strategy]), runs.hf_home)
         assert proc.returncode == 2 and refused in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert not (out / "summary.json").exists()
         return
