@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (ROOT, cli_runner, crash_then_resume, free_port, lm_args, lora_lm_args, losses_by_step, machines,
-                     read_metrics, run_ok, summary, weights)
+                     read_metrics, run_ok, runs_in_one_launch, summary, weights)
 from in_process import train_ok
 from sharding import BACKEND, COMMON, CUDA, DDP_LAUNCH, WEIGHT_TOLERANCE, assert_trains_alike, into, launch, llama_args
 
@@ -197,7 +197,7 @@ def test_full_state_dict_checkpoints_resume_bitwise_and_model_is_the_best(fsdp_r
 
 @pytest.mark.slow
 def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_and_resumes_exactly(
-        cli_module, hf_home, pretrained_lm, corpus, tmp_path):  # noqa: F811 (the fixture imported above)
+        hf_home, pretrained_lm, corpus, tmp_path):  # noqa: F811 (the fixture imported above)
     """LoRA on the FSDP2-sharded base (frozen, sharded too): the adapter and the merged model equal DDP's (bitwise
     on the CPU: only the adapters' small gradients are reduced, in the same order), pipeline() loads the merged
     model, and a kill mid-epoch resumes to the same adapter."""
@@ -206,10 +206,12 @@ def test_lora_under_fsdp2_trains_what_ddp_does_saves_adapter_and_merged_model_an
     common = [BACKEND, "train.max_steps=12", "checkpoint.every_steps=4", "train.log_every=1", "peft.merge=true",
               "train.cpu_threads=1"]
     fsdp, ddp, resumed = tmp_path / "fsdp", tmp_path / "ddp", tmp_path / "resumed"
-    proc = cli_module(lora_lm_args(pretrained_lm, corpus, fsdp, *common, "distributed.strategy=fsdp"),
-                      launch="fsdp.yaml", launch_args=launch())
-    assert "strategy: fsdp (version 2)" in proc.stdout
-    cli_module(lora_lm_args(pretrained_lm, corpus, ddp, *common), launch=DDP_LAUNCH, launch_args=launch())
+    procs = runs_in_one_launch(hf_home, {"fsdp": lora_lm_args(pretrained_lm, corpus, fsdp, *common,
+                                                              "distributed.strategy=fsdp"),
+                                         "ddp": lora_lm_args(pretrained_lm, corpus, ddp, *common)},
+                               DDP_LAUNCH, tmp_path / "launch")
+    assert all(p.returncode == 0 for p in procs.values()), procs
+    assert "strategy: fsdp (version 2)" in procs["fsdp"].stdout
     adapter = load_file(fsdp / "model" / "adapter" / "adapter_model.safetensors")
     assert any("lora_A" in k for k in adapter)
     expected = load_file(ddp / "model" / "adapter" / "adapter_model.safetensors")
@@ -267,28 +269,30 @@ def test_unpacked_rows_under_fsdp2_train_what_one_process_with_twice_the_batch_d
 
 
 @pytest.mark.slow
-def test_streaming_under_fsdp2_trains_what_ddp_does(cli_module, corpus, word_tokenizer, tmp_path):
+def test_streaming_under_fsdp2_trains_what_ddp_does(hf_home, corpus, word_tokenizer, tmp_path):
     """data.streaming: each process reads its own share of the stream; the token-normalised loss over both."""
     stream = [*COMMON, "data.streaming=true", "data.shuffle_buffer=16", "eval.batches=2"]
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    cli_module(lm_args(word_tokenizer, corpus, fsdp, *stream), launch="fsdp.yaml", launch_args=launch())
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
-               launch_args=launch())
+    runs = {"fsdp": lm_args(word_tokenizer, corpus, fsdp, *stream, "distributed.strategy=fsdp"),
+            "ddp": lm_args(word_tokenizer, corpus, ddp, *stream, "distributed.strategy=ddp")}
+    procs = runs_in_one_launch(hf_home, runs, DDP_LAUNCH, tmp_path / "launch")
+    assert all(p.returncode == 0 for p in procs.values()), procs
     assert_trains_alike(fsdp, ddp)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA and torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(cli_module, corpus, word_tokenizer, tmp_path):
+def test_hsdp_on_a_2_by_2_mesh_trains_what_4_ddp_processes_do(hf_home, corpus, word_tokenizer, tmp_path):
     """distributed.fsdp.replicas=2 on 4 processes: 2 replicas, each sharded over 2 processes (accelerate's
     ParallelismConfig dp_replicate_size=2 x dp_shard_size=2); each process holds half of the states."""
     common = [*COMMON, "train.max_steps=8"]
     hsdp, ddp = tmp_path / "hsdp", tmp_path / "ddp"
-    proc = cli_module(lm_args(word_tokenizer, corpus, hsdp, *common, "distributed.fsdp.replicas=2"),
-                      launch="fsdp.yaml", launch_args=launch(4))
-    assert "strategy: fsdp (version 2, HSDP: 2 replicas x 2 shards)" in proc.stdout
-    cli_module(lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp"), launch=DDP_LAUNCH,
-               launch_args=launch(4))
+    runs = {"hsdp": lm_args(word_tokenizer, corpus, hsdp, *common, "distributed.strategy=fsdp",
+                            "distributed.fsdp.replicas=2"),
+            "ddp": lm_args(word_tokenizer, corpus, ddp, *common, "distributed.strategy=ddp")}
+    procs = runs_in_one_launch(hf_home, runs, DDP_LAUNCH, tmp_path / "launch", processes=4)
+    assert all(p.returncode == 0 for p in procs.values()), procs
+    assert "strategy: fsdp (version 2, HSDP: 2 replicas x 2 shards)" in procs["hsdp"].stdout
     assert_trains_alike(hsdp, ddp)
     result = summary(hsdp)
     held, plan = result["memory"]["per_device"], result["memory_plan"]
@@ -370,7 +374,7 @@ def test_fsdp2_with_activation_checkpointing_on_the_tied_llama_trains_what_one_p
 
 
 @pytest.mark.slow
-def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, hf_home, corpus, llama_one_process, tmp_path):
+def test_qlora_under_fsdp2_trains_what_ddp_does(hf_home, corpus, llama_one_process, tmp_path):
     """peft.quantize=4bit (NF4 bitsandbytes Linear4bit) on the tiny tied Llama under FSDP2: accelerate 1.15 leaves the
     frozen uint8 Params4bit out of fully_shard (its DTensor conversion would drop their quant_state; with a float
     quant_storage bitsandbytes then failed "quant_state is required", measured), so each process holds the whole
@@ -383,10 +387,10 @@ def test_qlora_under_fsdp2_trains_what_ddp_does(cli_module, hf_home, corpus, lla
               "peft.alpha=8", "peft.target_modules=all-linear", "peft.quantize=4bit", "train.max_steps=6",
               "train.log_every=1", "train.cpu_threads=1", "checkpoint.every_steps=3"]
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    proc = cli_module([*common, f"output_dir={fsdp}", "distributed.strategy=fsdp"], launch="fsdp.yaml",
-                      launch_args=launch())
-    assert "strategy: fsdp (version 2)" in proc.stdout
-    cli_module([*common, f"output_dir={ddp}"], launch=DDP_LAUNCH, launch_args=launch())
+    procs = runs_in_one_launch(hf_home, {"fsdp": [*common, f"output_dir={fsdp}", "distributed.strategy=fsdp"],
+                                         "ddp": [*common, f"output_dir={ddp}"]}, DDP_LAUNCH, tmp_path / "launch")
+    assert all(p.returncode == 0 for p in procs.values()), procs
+    assert "strategy: fsdp (version 2)" in procs["fsdp"].stdout
     exact = dict(rtol=0, atol=0) if not CUDA else WEIGHT_TOLERANCE
     torch.testing.assert_close(torch.tensor(list(losses_by_step(fsdp).values())),
                                torch.tensor(list(losses_by_step(ddp).values())), **exact)
