@@ -1,7 +1,7 @@
 """launch/slurm.sbatch on a real Slurm: a controller and two node daemons (n1, n2) started on this host by the
 fixture (`make slurm` installs Debian's slurm-wlm), stopped by PID at the end. One node of 2 processes and two
 nodes of 1 train bitwise what `accelerate launch` with 2 processes trains; `scancel --signal=TERM` stops a job with
-a checkpoint, and the same job submitted again resumes from it and finishes."""
+a checkpoint, and the job requeues itself, resumes from it and ends COMPLETED."""
 
 import json
 import os
@@ -43,6 +43,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={free_port()}
 AuthType=auth/none
 CredType=cred/none
+AuthInfo=cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={folder}/state
@@ -144,24 +145,31 @@ def test_a_slurm_job_trains_what_accelerate_launch_does(nodes, per_node, slurm, 
     assert train_losses(out) == train_losses(two_process_run)
 
 
-def test_a_job_stopped_by_scancel_term_is_resumed_by_the_same_job_submitted_again(slurm, tiny_model, easy_data,
-                                                                                  hf_home, tmp_path):
-    out = tmp_path / "out"
-    args = tiny_args(tiny_model, easy_data, out, "train.max_steps=300", "train.log_every=1", "train.cpu_threads=1",
-                     "train.batch_size=4")
-    job = slurm.submit(2, 1, args, environment(hf_home))
+def test_a_job_stopped_by_scancel_term_requeues_itself_resumes_and_completes(slurm, tiny_model, easy_data, hf_home,
+                                                                             tmp_path):
+    """scancel --signal=TERM: every worker saves a checkpoint and says "preempted: ..."; the job requeues itself
+    (the same job id, its log appended to), resumes from that checkpoint and ends COMPLETED with status 0, having
+    trained every step once: the weights and losses of the run that was never stopped."""
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    steps = ["train.max_steps=300", "train.log_every=1", "train.cpu_threads=1", "train.batch_size=4"]
+    job = slurm.submit(2, 1, tiny_args(tiny_model, easy_data, out, *steps), environment(hf_home))
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:  # 3 steps trained
         running = slurm.command("squeue", "-h", "-j", job, check=False).strip()
         assert running and time.monotonic() < deadline, slurm.output(job)[-3000:]
         time.sleep(0.2)
     slurm.command("scancel", "--signal=TERM", job)
-    state, _, said = slurm.wait(job)
-    assert state != "COMPLETED" and "preempted: stopped by SIGTERM after step" in said, said[-4000:]
-    stopped_at = int(said.split("preempted: stopped by SIGTERM after step ")[1].split(";")[0])
-    assert (out / "checkpoints" / f"step_{stopped_at}").is_dir() and stopped_at < 300
-    again = slurm.submit(2, 1, args, environment(hf_home))
-    state, status, said = slurm.wait(again)
+    state, status, said = slurm.wait(job)
     assert (state, status) == ("COMPLETED", 0), said[-4000:]
+    assert "preempted: stopped by SIGTERM after step " in said, said[-4000:]
+    stopped_at = int(said.split("preempted: stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 3 <= stopped_at < 300
+    assert f"slurm job {job}: preempted with a checkpoint saved; requeued" in said
+    assert f"slurm job {job}: 2 node(s)" in said and "requeued 1 time(s)" in said
     assert f"resuming from {out / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}" in said
+    assert "Restarts=1" in slurm.command("scontrol", "show", "job", job)
     assert json.loads((out / "summary.json").read_text())["train"]["steps"] == 300
+    again = slurm.submit(2, 1, tiny_args(tiny_model, easy_data, whole, *steps), environment(hf_home))
+    assert slurm.wait(again)[:2] == ("COMPLETED", 0)
+    assert_bitwise_equal_models(whole, out)
+    assert train_losses(out) == train_losses(whole)
