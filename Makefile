@@ -19,7 +19,7 @@ install: $(VENV)/.installed assets/.ready
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0 -e '.[test,deepspeed]'
 	touch $@
 
 # Built with the main venv's python, for both venvs (install-xla needs it too).
@@ -131,7 +131,6 @@ test-cpu: install
 # The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two;
 # then tests/test_fsdp.py unchanged (its slow variants too) on 2 GPUs over NCCL: what the CPU tier proved over gloo.
 test-gpu: install
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,deepspeed]'
 	$(BIN)/python -m pytest -m gpu tests/test_gpu.py
 	$(BIN)/python -m pytest tests/test_fsdp.py
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from helpers import crash_then_resume, lm_args, lora_lm_args, losses_by_step, runs_in_one_launch, summary, weights
 from sharding import COMMON, CUDA, LOSS_TOLERANCE, WEIGHT_TOLERANCE, launch
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]'")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test,deepspeed]'")
 FAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_at.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(CUDA, reason="the CPU path; make test-gpu runs ZeRO on GPUs")]
 
