@@ -503,15 +503,14 @@ def runs_in_one_launch(hf_home: Path, runs: Dict[str, List[str]], launch: str, f
     spec = folder / "runs.json"
     spec.write_text(json.dumps([{"args": args, "log": str(folder / name)} for name, args in runs.items()]))
     launch_args = ["--num_processes", str(processes), "--main_process_port", str(free_port())]
-    proc = cli_runner(hf_home)([str(spec)], launch=launch, launch_args=launch_args, script=ONE_LAUNCH,
-                               timeout=300 + 120 * len(runs))
+    cli_runner(hf_home)([str(spec)], launch=launch, launch_args=launch_args, script=ONE_LAUNCH,
+                        timeout=300 + 120 * len(runs))  # a launch that fails fails here, with its output
     results = {}
     for name, args in runs.items():
         ranks = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(processes)]
         results[name] = subprocess.CompletedProcess(
             args, max((r["status"] for r in ranks), key=abs), "".join(r["stdout"] for r in ranks),
             "".join(f"[rank{i}]: {line}\n" for i, r in enumerate(ranks) for line in r["stderr"].splitlines()))
-    assert proc.returncode == 0
     return results
 
 

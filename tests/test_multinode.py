@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pytest
 import torch
@@ -151,12 +152,28 @@ def torchrun_node(rank: int, args: Sequence[str], hf_home: Path, port: int, scri
                             start_new_session=True)
 
 
-def kill_node(agent: subprocess.Popen, marker: Path) -> None:
-    """A node dies: its agent's process group, and the worker frozen at the marker (torchrun starts each worker in
-    a session of its own)."""
-    os.killpg(agent.pid, signal.SIGKILL)
-    os.kill(kill_marker(marker)[1], signal.SIGKILL)
-    agent.wait()
+@contextmanager
+def node_1_dies_at_step_6(args: Sequence[str], hf_home: Path, marker: Path, nnodes: str) -> Iterator[tuple]:
+    """Two torchrun nodes; node 1's worker freezes itself at micro-batch 6, after the step-4 checkpoint (its pid in
+    the marker), and node 1 then dies as a machine does: its agent's process group and that worker (torchrun
+    starts each worker in a session of its own). Yields (node 0, the rendezvous port); kills what is left."""
+    port = free_port()
+    node0 = torchrun_node(0, args, hf_home, port, nnodes=nnodes)
+    node1 = torchrun_node(1, args, hf_home, port, script=KILL_SCRIPT, nnodes=nnodes,
+                          env={"KILL_AT_MICRO": "6", "KILL_SIGNAL": "SIGSTOP", "KILL_ONCE": str(marker)})
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert node0.poll() is None and node1.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(node1.pid, signal.SIGKILL)
+        os.kill(kill_marker(marker)[1], signal.SIGKILL)
+        node1.wait()
+        yield node0, port
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_plain_torchrun_elastic_survives_a_node_killed_and_started_again(two_process_run, tiny_model, easy_data,
@@ -167,24 +184,9 @@ def test_plain_torchrun_elastic_survives_a_node_killed_and_started_again(two_pro
     from step 4 and end bitwise where the uninterrupted 2-process run ends."""
     marker, out = tmp_path / "frozen", tmp_path / "elastic"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
-    port = free_port()
-    node0 = torchrun_node(0, args, hf_home, port)
-    # Node 1's worker freezes itself at micro-batch 6 (leaving its pid in the marker), so the node is killed at a
-    # known step: its agent's whole process group, as a machine that dies.
-    node1 = torchrun_node(1, args, hf_home, port, script=KILL_SCRIPT,
-                          env={"KILL_AT_MICRO": "6", "KILL_SIGNAL": "SIGSTOP", "KILL_ONCE": str(marker)})
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert node0.poll() is None and node1.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        kill_node(node1, marker)
+    with node_1_dies_at_step_6(args, hf_home, marker, nnodes="2") as (node0, port):
         restarted = torchrun_node(1, args, hf_home, port)
         (status0, said0, _), (status1, said1, _) = finish([node0, restarted])
-    finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
     assert (status0, status1) == (0, 0), (said0[-3000:], said1[-3000:])
     assert f"resuming from {out / 'checkpoints' / 'step_4'}: step 4" in said0, said0[-4000:]
     assert_bitwise_equal_models(two_process_run, out)
@@ -201,21 +203,8 @@ def test_torchrun_elastic_with_fewer_nodes_continues_on_the_survivor(two_process
     step 4."""
     marker, out = tmp_path / "frozen", tmp_path / "elastic"
     args = tiny_args(tiny_model, easy_data, out, *COMMON)
-    port = free_port()
-    node0 = torchrun_node(0, args, hf_home, port, nnodes="1:2")
-    node1 = torchrun_node(1, args, hf_home, port, script=KILL_SCRIPT, nnodes="1:2",
-                          env={"KILL_AT_MICRO": "6", "KILL_SIGNAL": "SIGSTOP", "KILL_ONCE": str(marker)})
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert node0.poll() is None and node1.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        kill_node(node1, marker)
+    with node_1_dies_at_step_6(args, hf_home, marker, nnodes="1:2") as (node0, _):
         [(status, said, _)] = finish([node0])
-    finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
     assert status == 0, said[-4000:]
     assert f"resuming from {out / 'checkpoints' / 'step_4'}: step 4" in said, said[-4000:]
     assert "as 1 process(es), single process, 4 per device x 2 accumulation" in said, said[-4000:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 from functools import cached_property
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -165,7 +165,6 @@ class Runs:
         self.task, self.spec, self.tmp = task, CONTRACTS[task], tmp
         self.hf_home = request.getfixturevalue("hf_home")
         self.inputs = [request.getfixturevalue(name) for name in self.spec["fixtures"]]
-        self.results = {}
 
     @property
     def steps(self) -> int:
@@ -205,7 +204,7 @@ class Runs:
 
     @cached_property
     def two_processes(self) -> Path:
-        proc = self.launched("two")
+        proc = self.launch["two"]
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "num_processes: 2" in proc.stdout
         self.two_stdout = proc.stdout
@@ -219,16 +218,15 @@ class Runs:
             batch, model = self.spec["batch"], (LLAMA if self.task in TP_LLAMA else [])
         return [f"train.batch_size={batch}", *model, f"checkpoint.every_steps={self.steps // 2}"]
 
-    def launched(self, cell: str) -> subprocess.CompletedProcess:
-        """A 2-process run, "two" (DDP, the equivalence run) or a strategy's cell, made in one launch with the
-        task's other cells (helpers.runs_in_one_launch: a launch each would start 5 times as many processes)."""
-        if not self.results:
-            cells = [c for c in LAUNCHED if not refused_before_loading(self.task, c)]
-            args = {c: self.equivalence(c, *(self.recipe(c) if c in STRATEGIES else
-                                             [f"train.batch_size={self.spec['batch'] // 2}"]), *LAUNCHED[c])
-                    for c in cells}
-            self.results = runs_in_one_launch(self.hf_home, args, "cpu_ddp.yaml", self.tmp / "launch")
-        return self.results[cell]
+    @cached_property
+    def launch(self) -> Dict[str, subprocess.CompletedProcess]:
+        """The 2-process runs, "two" (DDP, the equivalence run) and the strategies' cells, made in one launch
+        (helpers.runs_in_one_launch: a launch each would start 5 times as many processes)."""
+        cells = [c for c in LAUNCHED if not refused_before_loading(self.task, c)]
+        args = {c: self.equivalence(c, *(self.recipe(c) if c in STRATEGIES else
+                                         [f"train.batch_size={self.spec['batch'] // 2}"]), *LAUNCHED[c])
+                for c in cells}
+        return runs_in_one_launch(self.hf_home, args, "cpu_ddp.yaml", self.tmp / "launch")
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +307,7 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
         return
     if strategy == "tp":
         one = runs.one_llama if runs.task in TP_LLAMA else None
-    proc = runs.launched(strategy)
+    proc = runs.launch[strategy]
     if refused:  # tensor parallelism's: the model's missing plan, found with both processes
         assert proc.returncode != 0 and refused in proc.stderr and "[rank0]: Traceback" not in proc.stderr, \
             proc.stderr[-3000:]
