@@ -23,6 +23,7 @@ from framework import backend
 from framework.health import SkippedSteps
 
 if TYPE_CHECKING:
+    import datasets
     from accelerate import Accelerator
     from accelerate.local_sgd import LocalSGD
 
@@ -120,6 +121,7 @@ class StepContext:
     mesh: backend.Mesh  # the devices one process drives under SPMD (one otherwise)
     task: TaskRun  # the task as the run binds it
     update: Update
+    examples: Optional[datasets.Dataset] = None  # the prepared training rows (None for a stream)
 
 
 class Step(Protocol):

@@ -80,7 +80,7 @@ class Run:
     @cached_property
     def context(self) -> StepContext:
         """What each step is given."""
-        return StepContext(self.accelerator, self.model, self.mesh, self.task, self.update)
+        return StepContext(self.accelerator, self.model, self.mesh, self.task, self.update, self.data.train_ds)
 
 
 def setup(cfg: RunConfig) -> Run:

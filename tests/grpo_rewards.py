@@ -50,3 +50,17 @@ def recorded(prompts, completions, completion_ids, **columns):
         for prompt, ids, rejected in zip(prompts, completion_ids, columns["rejected"]):
             f.write(json.dumps([prompt, rejected, list(ids)]) + "\n")
     return characters(prompts, completions, completion_ids)
+
+
+def characters_when_fresh(prompts, completions, completion_ids, **columns):
+    """``characters`` where the answer column is 'fresh', 0 where it is 'rotten': the completions of a 'rotten'
+    prompt all get one reward (a flat group, which dynamic sampling replaces). With $GRPO_RECORD set, each call
+    appends one JSON line to $GRPO_RECORD.RANK: per completion, its prompt and reward."""
+    import json
+
+    rewards = [r if a.strip() == "fresh" else 0.0
+               for r, a in zip(characters(prompts, completions, completion_ids), columns["chosen"])]
+    if os.environ.get("GRPO_RECORD"):
+        with open(f"{os.environ['GRPO_RECORD']}.{os.environ.get('RANK', '0')}", "a") as f:
+            f.write(json.dumps([[p, r] for p, r in zip(prompts, rewards)]) + "\n")
+    return rewards

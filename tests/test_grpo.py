@@ -6,6 +6,7 @@ tiny model learns; every way a reward function can be wrong ends with exit 2 and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -710,3 +711,101 @@ def test_lora_reference_is_the_model_with_its_adapter_off(hf_home, pretrained_lm
     assert kl[0] == 0.0 and kl[-1] > 0
     assert set(s["sample"]["generated"].split()) <= set(WORDS) | {"<eos>"}
     assert (out / "model" / "adapter_config.json").exists()
+
+
+DYNAMIC = [f"grpo.reward_functions=[{GRPO_REWARDS}:characters_when_fresh]", "grpo.dynamic_sampling=3",
+           "train.max_steps=4", "optim.name=sgd", "optim.lr=0.5", "train.max_grad_norm=null"]
+DYNAMIC_FIGURES = ("reward", "frac_reward_zero_std", "dynamic_sampling/replacements", "dynamic_sampling/rounds",
+                   "dynamic_sampling/flat_first")
+
+
+def scored_calls(record: Path) -> list:
+    """Each call of ``grpo_rewards.characters_when_fresh`` on the first process: its (prompt, reward) rows."""
+    return [json.loads(line) for line in Path(f"{record}.0").read_text().splitlines()]
+
+
+@pytest.mark.multiprocess
+def test_dynamic_sampling_replaces_flat_groups_whatever_the_split(hf_home, pair_tokenizer, pair_data, tmp_path,
+                                                                  monkeypatch):
+    """grpo.dynamic_sampling=3 with a reward that is flat for every 'rotten' prompt: rebuilt from the reward calls
+    alone (each step's first call its 4 groups, each later call the groups replacing those still flat, in order),
+    every step's logged reward mean, replacements, rounds, share flat at first and share flat at the end are what
+    those calls say; every replacement is a training prompt; the first step samples first what a run without
+    dynamic sampling samples; 1 process, accumulation (2 x 2), 2 processes and FSDP2 on 2 log the same figures and
+    end with the same weights (the contract's bounds); a run killed mid-way resumes to the same weights, bitwise."""
+    from helpers import assert_bitwise_equal_models, crash_then_resume, runs_in_one_launch
+
+    from framework.data import load_splits
+    from framework.recipe import load_config
+    from framework.tasks import get_task
+
+    record = tmp_path / "record"
+    monkeypatch.setenv("GRPO_RECORD", str(record))
+    one = tmp_path / "one"
+    assert run_main(grpo_args(pair_tokenizer, pair_data, one, *DYNAMIC), hf_home) == 0
+    monkeypatch.delenv("GRPO_RECORD")
+    logged = [r for r in read_metrics(one) if "loss" in r]
+    calls = iter(scored_calls(record))
+    cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, one, *DYNAMIC)[2:])
+    task = get_task(cfg.task)
+    training = set(load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).train["prompt"])
+    for step in logged:
+        first = next(calls)
+        groups = [first[i:i + 4] for i in range(0, 16, 4)]
+        flat = [len({r for _, r in g}) == 1 for g in groups]
+        replacements = 0
+        for _ in range(int(step["dynamic_sampling/rounds"])):
+            pending = [i for i, f in enumerate(flat) if f]
+            rows = next(calls)
+            assert len(rows) == 4 * len(pending) and pending
+            for n, i in enumerate(pending):
+                groups[i] = rows[4 * n:4 * n + 4]
+                assert groups[i][0][0] in training
+                flat[i] = len({r for _, r in groups[i]}) == 1
+            replacements += len(pending)
+        assert step["dynamic_sampling/replacements"] == replacements
+        assert step["frac_reward_zero_std"] == sum(flat) / 4
+        assert step["reward"] == pytest.approx(sum(r for g in groups for _, r in g) / 16, rel=1e-6)
+        assert step["dynamic_sampling/rounds"] <= 3
+    assert sum(r["dynamic_sampling/replacements"] for r in logged) > 0
+    assert sum(r["frac_reward_zero_std"] for r in logged) < sum(r["dynamic_sampling/flat_first"] for r in logged)
+
+    off = tmp_path / "off"
+    assert run_main(grpo_args(pair_tokenizer, pair_data, off, *DYNAMIC[:1], *DYNAMIC[2:], "train.max_steps=1"),
+                    hf_home) == 0
+    assert read_metrics(off)[0]["frac_reward_zero_std"] == logged[0]["dynamic_sampling/flat_first"] > 0
+
+    runs = {name: tmp_path / name for name in ("accumulation", "two", "fsdp2")}
+    assert run_main(grpo_args(pair_tokenizer, pair_data, runs["accumulation"], *DYNAMIC, "train.batch_size=2",
+                              "train.gradient_accumulation_steps=2"), hf_home) == 0
+    # FSDP2 generates in lockstep: a process with no flat group samples one again for the other's rounds.
+    launched = runs_in_one_launch(hf_home, {
+        "two": grpo_args(pair_tokenizer, pair_data, runs["two"], *DYNAMIC, "train.batch_size=2"),
+        "fsdp2": grpo_args(pair_tokenizer, pair_data, runs["fsdp2"], *DYNAMIC, "train.batch_size=2",
+                           "distributed.strategy=fsdp")}, "cpu_ddp.yaml", tmp_path / "launch")
+    assert all(proc.returncode == 0 for proc in launched.values()), {n: p.stderr[-2000:] for n, p in launched.items()}
+    for name, out in runs.items():
+        theirs = [r for r in read_metrics(out) if "loss" in r]
+        for key in DYNAMIC_FIGURES:
+            assert [r[key] for r in theirs] == pytest.approx([r[key] for r in logged], rel=1e-6), (name, key)
+        assert_same_weights(out, one, 1e-5, 1e-6)
+
+    resumed = tmp_path / "resumed"
+    proc = crash_then_resume(hf_home, grpo_args(pair_tokenizer, pair_data, resumed, *DYNAMIC,
+                                                "checkpoint.every_steps=2"), kill_at_micro=3)
+    assert "resuming from" in proc.stdout
+    assert_bitwise_equal_models(one, resumed)
+
+
+@pytest.mark.parametrize("where,expected", [
+    ((*STREAM,), "grpo.dynamic_sampling: draws replacement prompts from the training set, which a stream cannot give"),
+    (("backend=xla",), "grpo.dynamic_sampling: does not run on XLA yet")], ids=["stream", "xla"])
+def test_dynamic_sampling_where_it_cannot_run_is_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path,
+                                                                monkeypatch, where, expected):
+    from framework.backend import selection
+
+    monkeypatch.setattr(selection, "has_xla", lambda: True)
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", *where, "grpo.dynamic_sampling=2"),
+                        hf_home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert expected in proc.stderr

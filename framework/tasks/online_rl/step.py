@@ -3,10 +3,12 @@
 rollouts.
 
 Each step takes its prompts (``train.batch_size`` per micro-batch, so the plan's samples are prompts) and samples
-``num_generations`` completions of each (framework/tasks/online_rl/rollout.py keys them), scores them, turns the
-rewards into advantages and updates ``iterations`` times on those rollouts, each micro-batch holding its prompts'
-completions; with ``generation_steps`` above 1 each of those passes is that many optimizer steps, each on an equal
-share of the micro-batches (one generation feeding several optimizer steps, TRL's ``steps_per_generation``).
+``num_generations`` completions of each (framework/tasks/online_rl/rollout.py keys them), scores them (with
+``dynamic_sampling``, replacing groups whose rewards are all equal: framework/tasks/online_rl/dynamic_sampling.py),
+turns the rewards into advantages and updates ``iterations`` times on those rollouts, each micro-batch holding its
+prompts' completions; with ``generation_steps`` above 1 each of those passes is that many optimizer steps, each on
+an equal share of the micro-batches (one generation feeding several optimizer steps, TRL's
+``steps_per_generation``).
 
 The loss's normaliser (the algorithm's count per micro-batch: completion tokens, or completions) is counted over
 the whole generation (every micro-batch and process) before the backward pass, as the supervised step does, and
@@ -35,6 +37,7 @@ import torch
 from framework import backend
 from framework.losses import IGNORE
 from framework.step import Count, StepContext, StepResult
+from framework.tasks.online_rl import dynamic_sampling
 from framework.tasks.online_rl.advantages import nanstd
 from framework.tasks.online_rl.multi_turn import tool_frequencies
 from framework.tasks.online_rl.rollout import generation_batch, rollout_batch
@@ -84,8 +87,11 @@ class OnlineStep:
         rows = [row for batch in batches for row in batch["rows"] for _ in range(group)]
         with backend.generating(acc, ctx.model, ctx.mesh, run.static_generation) as model:
             out, rows = run.rollouts(model, prompts, seeds, rows)
+            per_function = run.rewards.score_together(rows, out.completions, out.messages)
+            if g.dynamic_sampling:
+                out, rows, per_function, replaced = dynamic_sampling.resample(run, model, acc, ctx.examples, batches,
+                                                                              out, rows, per_function)
         prompts, completions = out.prompts, out.completions
-        per_function = run.rewards.score_together(rows, completions, out.messages)
         stops = set(run.sampling.stop_ids)
         truncated = torch.tensor([not c or c[-1] not in stops for c in completions])
         # The model's tokens (TRL's with tools: a tool turn's are not the completion's length).
@@ -118,6 +124,8 @@ class OnlineStep:
             ctx.mesh.shard_batch(r)
             start += r["input_ids"].shape[0]
         metrics.update(reward_metrics(everything, every_reward, run, algorithm.std_scope))
+        if g.dynamic_sampling:
+            metrics.update(dynamic_sampling.metrics(gather(replaced[:, None])[:, 0]))
         if run.tool_loop is not None:
             counts = gather(torch.tensor([out.calls, out.failures], dtype=torch.float32).T)
             metrics.update(tool_frequencies(counts[:, 0].numpy(), counts[:, 1].numpy()))

@@ -83,6 +83,10 @@ class OnlineConfig:
     """Weight of the KL penalty against the reference model (0: no reference is kept)."""
     mask_truncated_completions: bool = False
     """Leave completions that did not stop within max_completion_length out of the loss (DAPO)."""
+    dynamic_sampling: int = field(default=0, metadata={"ge": 0})
+    """DAPO's dynamic sampling: the most rounds in which a group whose rewards are all equal (every advantage zero)
+    is replaced by another prompt drawn from the training set, until its rewards differ; 0: off. Each draw is keyed
+    by the group's prompt and the round (framework/tasks/online_rl/dynamic_sampling.py)."""
     tools: List[str] = field(default_factory=list)
     """Functions the model may call, ``path/to/file.py:function`` or ``package.module:function`` (TRL's ``tools``):
     type hints and a Google-style docstring give each its JSON schema, which the prompt lists (a template that
@@ -151,6 +155,12 @@ class OnlineRL(CausalLM):
         if strategy.name == "xla_fsdp":
             problems.append(f"task: {self.name} does not run under distributed.strategy=xla_fsdp yet (its generation "
                             "on the sharded model is not built); use xla_spmd, or one XLA device")
+        if g.dynamic_sampling and cfg.data.streaming:
+            problems.append(f"{key}.dynamic_sampling: draws replacement prompts from the training set, which a stream "
+                            "cannot give; set data.streaming=false or remove the key")
+        if g.dynamic_sampling and strategy.xla:
+            problems.append(f"{key}.dynamic_sampling: does not run on XLA yet (each round samples a new number of "
+                            "rows, a new shape); use backend=cpu or gpu, or remove the key")
         if (g.tools or g.environment) and strategy.shards_parameters:
             problems.append(f"{key}.tools: tools and environments do not run under FSDP or DeepSpeed yet (each "
                             "process's rollouts take their own number of turns, and a sharded model generates in "
