@@ -171,7 +171,8 @@ class Workload:
     generated_length: int = 0  # the longest each of them gets: prompt and completion, in tokens
     generated_by: str = ""  # the recipe key of the completions' length, which a cache too large for the device names
 
-def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload: Workload = Workload()) -> Dict[str, object]:
+def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload: Workload = Workload(),
+         device_bytes: Optional[int] = None) -> Dict[str, object]:
     """The memory one device needs for this recipe, in bytes: weights, gradients and optimizer state after
     sharding as the strategy lays them out (``layout``: ``backend.memory_layout``), activations for a full
     ``train.batch_size`` x ``workload.sequences`` x ``workload.seq_length`` batch, with ``token_logits``
@@ -181,6 +182,10 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
 
     Under accelerate's autocast the weights, gradients and optimizer state stay fp32; DeepSpeed with bf16
     or fp16 instead keeps 16-bit weights and gradients and an fp32 master copy in the optimizer state.
+
+    A task that generates under FSDP2 gathers the whole weights once per generation where the plan with them fits
+    the device's memory (``device_bytes``; None: not known, so not), else block by block in each forward
+    (``gathers_weights``; ``gathered_weight_bytes``: what the gathered copy adds to a device's shard).
     """
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -212,8 +217,13 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
     # Generation holds its cache without gradients, before the update's forward keeps its activations: the larger.
     kv_cache = kv_cache_estimate(config, workload.generated_rows, workload.generated_length,
                                  4 if cfg.precision == "no" else 2)
-    on_device = (sum(v for k, v in per_device.items() if k not in offloaded) + max((activations or 0) + logits, kv_cache)
-                 + frozen_bytes)
+    states = sum(v for k, v in per_device.items() if k not in offloaded) + frozen_bytes
+    gathered = (full["weights"] - per_device["weights"]
+                if workload.generated_rows and layout.first_chunk and shards > 1 and "weights" in sharded
+                and "weights" not in offloaded else 0)
+    gathers = bool(gathered) and device_bytes is not None and \
+        states + max((activations or 0) + logits, kv_cache + gathered) <= device_bytes
+    on_device = states + max((activations or 0) + logits, kv_cache + (gathered if gathers else 0))
     return {
         "parameters": sum(parameter_count(p) for p in params),
         "trainable_parameters": trainable_count,
@@ -236,6 +246,8 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
         "generated_rows": workload.generated_rows,
         "generated_length": workload.generated_length,
         "generated_by": workload.generated_by,
+        "gathered_weight_bytes": gathered,
+        "gathers_weights": gathers,
         "logits_chunk": logits_chunk if token_logits else None,
         "total_bytes": on_device,
     }
@@ -283,10 +295,19 @@ def format_plan(plan: Dict[str, object]) -> str:
         *([f"  generation's KV cache: {_mib(plan['kv_cache_bytes'])} ({plan['generated_rows']} sequences x "
            f"{plan['generated_length']} tokens; held before the update, the total counts the larger of it and "
            "the update's activations and logits)"] if plan.get("kv_cache_bytes") else []),
+        *([f"  generation's weights: {_gathering(plan)}"] if plan.get("gathered_weight_bytes") else []),
         *([f"  frozen models (the task's reference, never trained): {_mib(plan['frozen_model_bytes'])}"]
           if plan.get("frozen_model_bytes") else []),
         f"  total on the device: {_mib(plan['total_bytes'])}",
     ])
+
+def _gathering(plan: Dict[str, object]) -> str:
+    whole = _mib(plan["gathered_weight_bytes"])
+    if plan["gathers_weights"]:
+        return f"{whole} beside the shard, gathered once per generation (held with the KV cache)"
+    return (f"gathered block by block in each forward, in lockstep (the whole weights, {whole} beside the shard, "
+            "would not fit the device's memory)")
+
 
 def _logits_held(plan: Dict[str, object]) -> str:
     if plan.get("logits_chunk"):

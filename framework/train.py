@@ -143,7 +143,9 @@ def setup(cfg: RunConfig) -> Run:
     seq_length = declared.sequence_length(cfg, model)
     # Before anything shards the model: the plan divides what the strategy shards by its shard count.
     shards = mesh.parameter_shards if mesh.shard_parameters else backend.parameter_shards(accelerator)
-    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), workload=task.workload(model))
+    memory_plan = memory.plan(model, cfg, backend.memory_layout(cfg, shards), workload=task.workload(model),
+                              device_bytes=backend.total_memory_bytes(accelerator))
+    task.gathers_weights = memory_plan["gathers_weights"]
     model_flops = flops.model_flops(model)
     peak, peak_source = backend.peak_flops(accelerator)
     model = mesh.shard_model(model)  # xla_fsdp; the optimizer is built over the sharded parameters

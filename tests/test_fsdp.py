@@ -42,7 +42,9 @@ def test_fsdp2_contract_with_the_installed_accelerate(cli_module):
 
 def test_generating_mid_training_under_fsdp2_leaves_the_weights_bitwise(cli_module):
     """backend.generating on 2 FSDP2 processes: unsharded to generate, resharded and back in training mode after,
-    the final weights bitwise those of the same run without it (tests/scripts/generating_mid_training.py)."""
+    the final weights bitwise those of the same run without it; with the weights gathered once (gather_once) the
+    same tokens and weights, at most one all-gather per FSDP module and none while generating, where block by block
+    each block gathers in each forward (tests/scripts/generating_mid_training.py)."""
     proc = cli_module(["fsdp"], launch="cpu_ddp.yaml", script=ROOT / "tests" / "scripts" / "generating_mid_training.py",
                       launch_args=launch())
     assert "generating mid-training kept the weights (fsdp)" in proc.stdout

@@ -216,6 +216,35 @@ def test_the_generations_kv_cache_by_hand_and_in_the_total():
     assert "generation's KV cache: " in memory.format_plan(plan)
 
 
+def test_fsdp2_generation_gathers_the_whole_weights_once_where_they_fit():
+    """Under FSDP2 a generating task holds the whole weights during generation, beside its shard and the KV cache:
+    the plan counts the gathered copy (the full weights less the shard) where the total with it fits the device,
+    and otherwise plans block-by-block gathers (and leaves it out); a device of unknown size plans block by block."""
+    cfg = recipe()
+    cfg.distributed = DistributedConfig(strategy="fsdp")
+    cfg.train.batch_size, cfg.data.max_length, cfg.precision = 4, 16, "no"
+    model = tiny_bert()
+    workload = memory.Workload(seq_length=16, generated_rows=64, generated_length=24)
+
+    def plan(device_bytes):
+        return memory.plan(model, cfg, backend.memory_layout(cfg, 2), workload, device_bytes)
+
+    unknown = plan(None)
+    whole = sum(memory.weight_bytes(p) for p in model.parameters())
+    assert unknown["gathered_weight_bytes"] == whole - unknown["weight_bytes"] > 0 and not unknown["gathers_weights"]
+    states = unknown["weight_bytes"] + unknown["gradient_bytes"] + unknown["optimizer_state_bytes"]
+    generation = unknown["kv_cache_bytes"] + unknown["gathered_weight_bytes"]
+    assert unknown["total_bytes"] == states + max(unknown["activation_bytes"], unknown["kv_cache_bytes"])
+    fits = plan(states + generation)
+    assert fits["gathers_weights"] and fits["total_bytes"] == states + max(fits["activation_bytes"], generation)
+    assert "gathered once per generation" in memory.format_plan(fits)
+    tight = plan(states + generation - 1)
+    assert not tight["gathers_weights"] and tight["total_bytes"] == unknown["total_bytes"]
+    assert "gathered block by block in each forward" in memory.format_plan(tight)
+    assert not memory.plan(model, cfg, backend.memory_layout(cfg, 2), memory.Workload(seq_length=16),
+                           1 << 40)["gathered_weight_bytes"]  # a task that does not generate
+
+
 def test_adamw_plan_is_within_5_percent_of_the_measured_state():
     model = tiny_bert()
     cfg = recipe(name="adamw", lr=1e-3)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from framework.backend import xla_spmd
 from framework.backend.ops import unwrap
@@ -17,11 +18,17 @@ if TYPE_CHECKING:
 
 
 GENERATE_REGISTERED = "_framework_fsdp_generate"  # set on an FSDP2 root whose generate() runs its forward hooks
+GATHERED = "_framework_weights_gathered"  # True on a model while ``generating(gather_once=True)`` holds its weights
+
+
+def weights_gathered(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s sharded weights are whole for the generation under way (its forwards gather nothing)."""
+    return getattr(model, GATHERED, False)
 
 
 @contextmanager
 def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh,
-               static_shapes: bool = False) -> Iterator[torch.nn.Module]:
+               static_shapes: bool = False, gather_once: bool = False) -> Iterator[torch.nn.Module]:
     """The model to generate with, as a context: on exit the trained model is as training left it (on its device,
     sharded as it was, in its training mode), so training can go on bitwise as if nothing had been generated.
 
@@ -37,6 +44,9 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
       model's), and before the first training step the root would not be initialised (each block a root of its
       own, which FSDP refuses). Each block gathers its own weights in its forward, a collective: processes
       generating different numbers of tokens must do it in lockstep (``sampling.generate(synced=True)``).
+      ``gather_once`` (where the memory plan says the whole weights fit: its ``gathers_weights``): every module's
+      weights gathered once instead, kept whole through the generation's forwards, then sharded again
+      (``_gathered``): no collective per token, so no lockstep either.
     - Tensor parallelism, DDP, one process: the model itself (without accelerate's wrappers).
     Every process must enter it: sharded models gather collectively."""
     if mesh.shard_parameters:
@@ -48,9 +58,39 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
         return
     training = inner.training
     try:
-        yield generation_ready(accelerator, inner)
+        if gather_once and is_fsdp2(accelerator):
+            with _gathered(inner):
+                yield generation_ready(accelerator, inner)
+        else:
+            yield generation_ready(accelerator, inner)
     finally:
         inner.train(training)
+
+
+@contextmanager
+def _gathered(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2: each FSDP module's weights all-gathered once (``unshard``) and kept whole after its forwards
+    (``set_reshard_after_forward(False)``, as torch's docs suggest for evaluation), then sharded again with each
+    module's resharding as it was. The root is initialised first (what its first forward would do), so that what
+    is restored is what training runs with; FSDP2 keeps that setting in its private state (torch 2.13)."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first
+    modules[0]._get_fsdp_state()._lazy_init()
+    states = [m._get_fsdp_state() for m in modules]
+    before = [(state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+              for state in states]
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    setattr(model, GATHERED, True)
+    try:
+        yield
+    finally:
+        setattr(model, GATHERED, False)
+        for m, state, (auto, infos) in zip(modules, states, before):
+            m.reshard()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
 
 
 def generation_ready(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -58,8 +98,6 @@ def generation_ready(accelerator: Accelerator, model: torch.nn.Module) -> torch.
     a forward of the root (``generating``'s docstring). For what generates outside ``generating``: a task's
     evaluation. (What only calls the model, a classifier's sample, goes through the root's forward anyway.)"""
     if is_fsdp2(accelerator) and hasattr(model, "generate") and not getattr(model, GENERATE_REGISTERED, False):
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
         register_fsdp_forward_method(model, "generate")
         setattr(model, GENERATE_REGISTERED, True)
     return model

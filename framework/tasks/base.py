@@ -122,6 +122,9 @@ class TaskRun:
     # XLA graphs its own work compiles beside the training step's (CompileWatch's expectation): online RL's
     # generation, in the step and in evaluation.
     compiled_graphs = 0
+    # Whether its generation gathers the sharded weights once (FSDP2, where the memory plan says they fit:
+    # memory.plan's gathers_weights, set by train.setup), instead of block by block in each forward.
+    gathers_weights = False
 
     def __init__(self, task: Task, cfg):
         self.task, self.cfg = task, cfg

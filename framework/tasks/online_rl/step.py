@@ -85,7 +85,7 @@ class OnlineStep:
         group = g.num_generations
         prompts, seeds = generation_batch(batches, group, run.seed)
         rows = [row for batch in batches for row in batch["rows"] for _ in range(group)]
-        with backend.generating(acc, ctx.model, ctx.mesh, run.static_generation) as model:
+        with backend.generating(acc, ctx.model, ctx.mesh, run.static_generation, run.gathers_weights) as model:
             out, rows = run.rollouts(model, prompts, seeds, rows)
             per_function = run.rewards.score_together(rows, out.completions, out.messages)
             if g.dynamic_sampling:

@@ -11,9 +11,10 @@ chunked head where exact. Dropout is switched off: the log-probabilities at samp
 training forward's must be of one function. The reference (``beta`` > 0) is DPO's: a frozen copy of the starting
 weights, or the trained model with its adapter off under peft; the frozen copy is refused under FSDP and DeepSpeed.
 
-Under FSDP2 and DeepSpeed ZeRO-3 generation runs on the sharded model (framework/backend/generation.py): each block
-gathers its weights in its forward, a collective, so the processes, each on its own prompts, generate in lockstep
-(``synced``) until the last one's completions stop."""
+Under FSDP2 and DeepSpeed ZeRO-3 generation runs on the sharded model (framework/backend/generation.py): FSDP2
+gathers the whole weights once per generation where the memory plan says they fit (``gathers_weights``); otherwise
+each block gathers its weights in its forward, a collective, so the processes, each on its own prompts, generate in
+lockstep (``synced``) until the last one's completions stop."""
 
 from __future__ import annotations
 
@@ -274,8 +275,8 @@ class OnlineRun(LanguageRun):
         if not self.rewards.functions:
             raise UserError(f"{task.section}.reward_functions: name at least one reward function, or give "
                             f"{task.section}.environment a get_reward method")
-        # FSDP2 and ZeRO-3 gather each block's weights in its forward, a collective: the processes, each on its own
-        # prompts, generate in lockstep until the last one's completions stop.
+        # FSDP2 (block by block) and ZeRO-3 gather each block's weights in its forward, a collective: the processes,
+        # each on its own prompts, generate in lockstep until the last one's completions stop.
         self.synced = (backend.is_fsdp2(accelerator) or backend.is_zero3(accelerator)) and accelerator.num_processes > 1
 
     def workload(self, model):
@@ -292,10 +293,12 @@ class OnlineRun(LanguageRun):
                  greedy: bool = False) -> List[List[int]]:
         """One completion of each prompt (through its stop token where one came), row i sampled with the generator
         seeded ``seeds[i]`` (``greedy``: the most likely tokens), on every process in lockstep where the model's
-        weights are sharded (``synced``). The model is left in eval mode: call it inside ``backend.generating``."""
+        weights are sharded and gathered in each forward (``synced``; not while ``backend.generating`` holds them
+        whole). The model is left in eval mode: call it inside ``backend.generating``."""
+        synced = self.synced and not backend.weights_gathered(model)
         if self.generator is None:
-            return sampling.generate(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced)
-        return self.generator(model, prompts, seeds, self.sampling, greedy=greedy, synced=self.synced).completions
+            return sampling.generate(model, prompts, seeds, self.sampling, greedy=greedy, synced=synced)
+        return self.generator(model, prompts, seeds, self.sampling, greedy=greedy, synced=synced).completions
 
     def rollouts(self, model: torch.nn.Module, prompts: List[List[int]], seeds: List[int], rows: List[Dict],
                  greedy: bool = False) -> Tuple[multi_turn.Rollouts, List[Dict]]:
