@@ -147,7 +147,8 @@ def test_a_slurm_job_trains_what_accelerate_launch_does(nodes, per_node, slurm, 
 
 def test_a_job_stopped_by_scancel_term_requeues_itself_resumes_and_completes(slurm, tiny_model, easy_data, hf_home,
                                                                              tmp_path):
-    """scancel --signal=TERM: every worker saves a checkpoint and says "preempted: ..."; the job requeues itself
+    """scancel --signal=TERM: every worker saves a checkpoint and says "preempted: ..." (torchrun's agent one line,
+    no traceback); the job requeues itself
     (the same job id, its log appended to), resumes from that checkpoint and ends COMPLETED with status 0, having
     trained every step once: the weights and losses of the run that was never stopped."""
     out, whole = tmp_path / "out", tmp_path / "whole"
@@ -165,6 +166,8 @@ def test_a_job_stopped_by_scancel_term_requeues_itself_resumes_and_completes(slu
     stopped_at = int(said.split("preempted: stopped by SIGTERM after step ")[1].split(";")[0])
     assert 3 <= stopped_at < 300
     assert f"slurm job {job}: preempted with a checkpoint saved; requeued" in said
+    # torchrun's agent, signalled too, says one line on each node instead of its SignalException traceback.
+    assert said.count("launch: torchrun's agent stopped by SIGTERM") == 2 and "Traceback" not in said, said[-4000:]
     assert f"slurm job {job}: 2 node(s)" in said and "requeued 1 time(s)" in said
     assert f"resuming from {out / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}" in said
     assert "Restarts=1" in slurm.command("scontrol", "show", "job", job)
