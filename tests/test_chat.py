@@ -116,11 +116,13 @@ def add(a: int, b: int) -> int:
 '''
 
 
-def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_llama, tmp_path, capsys):
-    """--tools with chatml-tools: a conversation whose assistant message ends in a call (the model's, continued)
-    runs it, gives the result back in a tool turn, and the model then answers: the answer equals transformers'
-    greedy generation from the whole conversation with the tool's schema; a call with a missing argument is the
-    model's mistake (its result an error), not a crash; a template that cannot show tools is refused by name."""
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_llama, tmp_path, capsys, source):
+    """--tools with chatml-tools, on the model's folder and on its f16 GGUF export: a conversation whose assistant
+    message ends in a call (the model's, continued) runs it, gives the result back in a tool turn, and the model
+    then answers: the answer equals transformers' greedy generation (on the folder, or on the GGUF file as
+    transformers reads it) from the whole conversation with the tool's schema; a call with a missing argument is
+    the model's mistake (its result an error), not a crash; a template that cannot show tools is refused by name."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import get_json_schema
@@ -133,7 +135,8 @@ def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_l
              '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>']
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(json.dumps([user, {"role": "assistant", "content": c}]) + "\n" for c in calls))
-    args = [str(random_llama), "--prompts", str(prompts), "--max-new-tokens", str(TOKENS), "--tools",
+    path = random_llama if source == "folder" else export.export_gguf(random_llama, "f16", tmp_path / "tiny.gguf")
+    args = [str(path), "--prompts", str(prompts), "--max-new-tokens", str(TOKENS), "--tools",
             f"{tmp_path / 'calc.py'}:add", "--chat-template", "chatml-tools"]
     assert chat.main(args) == 0
     first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -146,9 +149,11 @@ def test_tool_calls_run_between_turns_and_their_results_reach_the_model(random_l
     # transformers alone: the template's rendering of the conversation so far with the tool's schema, greedy.
     namespace = {}
     exec(TOOLS, namespace)
-    tokenizer = AutoTokenizer.from_pretrained(random_llama)
+    where = {} if source == "folder" else {"gguf_file": path.name}
+    folder = random_llama if source == "folder" else path.parent
+    tokenizer = AutoTokenizer.from_pretrained(folder, **where)
     templates.use_template(tokenizer, "chatml-tools")
-    model = AutoModelForCausalLM.from_pretrained(random_llama)
+    model = AutoModelForCausalLM.from_pretrained(folder, **where)
     templates.resize_embeddings(model, tokenizer)
     ids = tokenizer.apply_chat_template([user, *first["turns"][:2]], tools=[get_json_schema(namespace["add"])],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
