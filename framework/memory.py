@@ -100,6 +100,7 @@ class MemoryLayout:
     offloaded: FrozenSet[str]  # those kept in host memory instead of on the device
     half_copies: bool  # DeepSpeed under bf16/fp16: 16-bit weights and gradients, an fp32 master in the optimizer state
     first_chunk: bool  # FSDP2: each parameter cut on dimension 0 into torch.chunk's pieces, the first process's largest
+    gathers_for_generation: bool  # FSDP2, DeepSpeed: sharded weights can be gathered whole for a generation
     # Tensor parallelism: the model is already sharded; this process's piece of a parameter. None otherwise.
     local_piece: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation_checkpointing: bool  # the strategy checkpoints activations itself (FSDP's activation_checkpointing)
@@ -183,8 +184,8 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
     Under accelerate's autocast the weights, gradients and optimizer state stay fp32; DeepSpeed with bf16
     or fp16 instead keeps 16-bit weights and gradients and an fp32 master copy in the optimizer state.
 
-    A task that generates under FSDP2 gathers the whole weights once per generation where the plan with them fits
-    the device's memory (``device_bytes``; None: not known, so not), else block by block in each forward
+    A task that generates under FSDP2 or ZeRO-3 gathers the whole weights once per generation where the plan with
+    them fits the device's memory (``device_bytes``; None: not known, so not), else block by block in each forward
     (``gathers_weights``; ``gathered_weight_bytes``: what the gathered copy adds to a device's shard).
     """
     params = list(model.parameters())
@@ -219,7 +220,7 @@ def plan(model: torch.nn.Module, cfg: RunConfig, layout: MemoryLayout, workload:
                                  4 if cfg.precision == "no" else 2)
     states = sum(v for k, v in per_device.items() if k not in offloaded) + frozen_bytes
     gathered = (full["weights"] - per_device["weights"]
-                if workload.generated_rows and layout.first_chunk and shards > 1 and "weights" in sharded
+                if workload.generated_rows and layout.gathers_for_generation and shards > 1 and "weights" in sharded
                 and "weights" not in offloaded else 0)
     gathers = bool(gathered) and device_bytes is not None and \
         states + max((activations or 0) + logits, kv_cache + gathered) <= device_bytes

@@ -216,12 +216,15 @@ def test_the_generations_kv_cache_by_hand_and_in_the_total():
     assert "generation's KV cache: " in memory.format_plan(plan)
 
 
-def test_fsdp2_generation_gathers_the_whole_weights_once_where_they_fit():
-    """Under FSDP2 a generating task holds the whole weights during generation, beside its shard and the KV cache:
-    the plan counts the gathered copy (the full weights less the shard) where the total with it fits the device,
-    and otherwise plans block-by-block gathers (and leaves it out); a device of unknown size plans block by block."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_generation_gathers_the_whole_weights_once_where_they_fit(strategy):
+    """Under FSDP2 and ZeRO-3 a generating task holds the whole weights during generation, beside its shard and the
+    KV cache: the plan counts the gathered copy (the full weights less the shard) where the total with it fits the
+    device, and otherwise plans block-by-block gathers (and leaves it out); a device of unknown size plans block by
+    block. ZeRO-2 and DDP hold whole weights anyway."""
     cfg = recipe()
-    cfg.distributed = DistributedConfig(strategy="fsdp")
+    cfg.distributed = DistributedConfig(strategy="fsdp" if strategy == "fsdp" else "deepspeed")
+    cfg.distributed.deepspeed.zero_stage = 3
     cfg.train.batch_size, cfg.data.max_length, cfg.precision = 4, 16, "no"
     model = tiny_bert()
     workload = memory.Workload(seq_length=16, generated_rows=64, generated_length=24)
@@ -243,6 +246,9 @@ def test_fsdp2_generation_gathers_the_whole_weights_once_where_they_fit():
     assert "gathered block by block in each forward" in memory.format_plan(tight)
     assert not memory.plan(model, cfg, backend.memory_layout(cfg, 2), memory.Workload(seq_length=16),
                            1 << 40)["gathered_weight_bytes"]  # a task that does not generate
+    cfg.distributed = DistributedConfig(strategy="deepspeed")
+    cfg.distributed.deepspeed.zero_stage = 2
+    assert not memory.plan(model, cfg, backend.memory_layout(cfg, 2), workload, 1 << 40)["gathered_weight_bytes"]
 
 
 def test_adamw_plan_is_within_5_percent_of_the_measured_state():

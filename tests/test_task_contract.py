@@ -316,9 +316,10 @@ def test_each_sharding_strategy_on_two_processes_trains_what_one_process_does_or
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert summary(out)["num_processes"] == 2
     assert summary(out)["plan"]["strategy"].startswith(("fsdp", "deepspeed", "tensor parallel"))
-    # Online RL under FSDP2 generates on the weights gathered once (they fit the machine's memory), not block by
-    # block: that path is the one the cell holds to one process.
-    assert summary(out)["memory_plan"]["gathers_weights"] == (strategy == "fsdp2" and runs.task in ("grpo", "rloo"))
+    # Online RL under FSDP2 and ZeRO-3 generates on the weights gathered once (they fit the machine's memory), not
+    # block by block: that path is the one the cell holds to one process.
+    assert summary(out)["memory_plan"]["gathers_weights"] == (
+        strategy in ("fsdp2", "zero3") and runs.task in ("grpo", "rloo"))
     spec = dict(runs.spec, weights=runs.spec["weights"] and SHARDED_WEIGHTS, losses=SHARDED_LOSSES)
     assert_equivalent(spec, out, one)
     assert_resumes_on_one_process(runs, strategy, runs.recipe(strategy), one)

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from framework.backend import xla_spmd
 from framework.backend.ops import unwrap
-from framework.backend.topology import is_fsdp2, on_xla
+from framework.backend.topology import is_fsdp2, is_zero3, on_xla
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -47,6 +47,9 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
       ``gather_once`` (where the memory plan says the whole weights fit: its ``gathers_weights``): every module's
       weights gathered once instead, kept whole through the generation's forwards, then sharded again
       (``_gathered``): no collective per token, so no lockstep either.
+    - DeepSpeed ZeRO-3: each module gathers its weights in its forward, in lockstep as FSDP2's blocks do; with
+      ``gather_once`` every weight gathered once and DeepSpeed's hooks off while generating
+      (``_zero3_gathered``, TRL's ``unwrap_model_for_generation``).
     - Tensor parallelism, DDP, one process: the model itself (without accelerate's wrappers).
     Every process must enter it: sharded models gather collectively."""
     if mesh.shard_parameters:
@@ -60,6 +63,9 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
     try:
         if gather_once and is_fsdp2(accelerator):
             with _gathered(inner):
+                yield generation_ready(accelerator, inner)
+        elif gather_once and is_zero3(accelerator):
+            with _zero3_gathered(model, inner):
                 yield generation_ready(accelerator, inner)
         else:
             yield generation_ready(accelerator, inner)
@@ -91,6 +97,32 @@ def _gathered(model: torch.nn.Module) -> Iterator[None]:
             state._auto_reshard_after_forward = auto
             for group, info in zip(state._fsdp_param_groups, infos):
                 group.post_forward_mesh_info = info
+
+
+@contextmanager
+def _zero3_gathered(engine, model: torch.nn.Module) -> Iterator[None]:
+    """DeepSpeed ZeRO-3: every weight of ``engine`` (the DeepSpeedEngine; ``model`` the module inside it) gathered
+    once (``GatheredParameters``) and DeepSpeed's forward and backward hooks removed while generating, so that no
+    forward gathers or releases a weight; the hooks registered again after, their recorded trace invalidated. As
+    TRL 1.16's ``unwrap_model_for_generation`` (``remove_hooks``, ``add_hooks``), on DeepSpeed's own attributes."""
+    import deepspeed  # the deepspeed extra: only a ZeRO-3 run, which has it, comes here
+
+    offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer
+    with deepspeed.zero.GatheredParameters(list(engine.parameters())):
+        for param in [*offload.module.parameters(), *offload.module.ds_external_parameters()]:
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        setattr(model, GATHERED, True)
+        try:
+            yield
+        finally:
+            setattr(model, GATHERED, False)
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)
 
 
 def generation_ready(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -54,5 +54,6 @@ def memory_layout(cfg: RunConfig, shards: int, distributed: Optional[Distributed
         shards=shards, sharded=sharded_states(d), offloaded=offloaded_states(d),
         half_copies=d.strategy == "deepspeed" and cfg.precision in ("fp16", "bf16"),
         first_chunk=fsdp and d.fsdp.version == 2,
+        gathers_for_generation=(fsdp and d.fsdp.version == 2) or d.strategy == "deepspeed",
         local_piece=local_shard if d.tensor_parallel else None,
         activation_checkpointing=fsdp and d.fsdp.activation_checkpointing)

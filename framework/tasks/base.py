@@ -122,7 +122,7 @@ class TaskRun:
     # XLA graphs its own work compiles beside the training step's (CompileWatch's expectation): online RL's
     # generation, in the step and in evaluation.
     compiled_graphs = 0
-    # Whether its generation gathers the sharded weights once (FSDP2, where the memory plan says they fit:
+    # Whether its generation gathers the sharded weights once (FSDP2, ZeRO-3, where the memory plan says they fit:
     # memory.plan's gathers_weights, set by train.setup), instead of block by block in each forward.
     gathers_weights = False
 

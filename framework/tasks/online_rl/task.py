@@ -11,7 +11,7 @@ chunked head where exact. Dropout is switched off: the log-probabilities at samp
 training forward's must be of one function. The reference (``beta`` > 0) is DPO's: a frozen copy of the starting
 weights, or the trained model with its adapter off under peft; the frozen copy is refused under FSDP and DeepSpeed.
 
-Under FSDP2 and DeepSpeed ZeRO-3 generation runs on the sharded model (framework/backend/generation.py): FSDP2
+Under FSDP2 and DeepSpeed ZeRO-3 generation runs on the sharded model (framework/backend/generation.py): it
 gathers the whole weights once per generation where the memory plan says they fit (``gathers_weights``); otherwise
 each block gathers its weights in its forward, a collective, so the processes, each on its own prompts, generate in
 lockstep (``synced``) until the last one's completions stop."""
