@@ -66,22 +66,25 @@ def resample(run: OnlineRun, model: torch.nn.Module, accelerator, pool: datasets
         new, new_rows = run.rollouts(model, prompts, seeds, new_rows)
         scores = run.rewards.score_together(new_rows, new.completions, new.messages)
         new_flat = flat_groups(run.rewards.total(scores), group)
-        for i, s in enumerate(pending):
-            here, there = slice(s * group, (s + 1) * group), slice(i * group, (i + 1) * group)
-            out = _spliced(out, new, here, there)
+        places = [(slice(s * group, (s + 1) * group), slice(i * group, (i + 1) * group))
+                  for i, s in enumerate(pending)]
+        out = _spliced(out, new, places)
+        for here, there in places:
             rows[here], per_function[here] = new_rows[there], scores[there]
-            flat[s], replaced[s] = new_flat[i], replaced[s] + 1
+        flat[pending], replaced[pending] = new_flat[:len(pending)], replaced[pending] + 1
     return out, rows, per_function, replaced
 
 
-def _spliced(out: Rollouts, new: Rollouts, here: slice, there: slice) -> Rollouts:
-    """``out`` with its rows ``here`` those of ``new`` at ``there`` (every per-row field it has)."""
+def _spliced(out: Rollouts, new: Rollouts, places: List[Tuple[slice, slice]]) -> Rollouts:
+    """``out`` with, for each (here, there) of ``places``, its rows ``here`` those of ``new`` at ``there`` (every
+    per-row field it has), each field copied once."""
     changed = {}
     for f in fields(Rollouts):
         mine, theirs = getattr(out, f.name), getattr(new, f.name)
         if mine:  # a field the rollouts fill (calls and messages only with tools)
             mine = list(mine)
-            mine[here] = theirs[there]
+            for here, there in places:
+                mine[here] = theirs[there]
             changed[f.name] = mine
     return replace(out, **changed)
 

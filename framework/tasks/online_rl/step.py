@@ -181,11 +181,12 @@ def reward_metrics(everything: torch.Tensor, total: torch.Tensor, run: OnlineRun
     their rewards per function, lengths and truncation flags; ``total`` their weighted rewards; ``std_scope``: the
     std frac_reward_zero_std counts (a group's, or the step's)."""
     functions, group = len(run.rewards.functions), run.settings.num_generations
-    std = (nanstd(total.view(-1, group), dim=1).repeat_interleave(group) if std_scope == "group"
-           else nanstd(total).expand_as(total))
+    # Per completion, whether the std of its group (or of the whole step) is zero: dynamic sampling's flat groups.
+    flat = dynamic_sampling.flat_groups(total, group if std_scope == "group" else len(total))
+    flat = flat.repeat_interleave(group) if std_scope == "group" else flat.expand_as(total)
     lengths = everything[:, functions]
     figures = {"reward": torch.nanmean(total).item(), "reward_std": nanstd(total).item(),
-               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
+               "frac_reward_zero_std": flat.float().mean().item(),
                "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
                "completions/max_length": lengths.max().item(),
                "completions/clipped_ratio": everything[:, functions + 1].mean().item()}
