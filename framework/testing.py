@@ -8,10 +8,11 @@ from typing import Sequence
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def save_tiny_bert(folder: Path, words: Sequence[str], num_labels: int = 2) -> Path:
+def save_tiny_bert(folder: Path, words: Sequence[str], num_labels: int = 2, head: bool = True) -> Path:
     """Save a 2-layer BERT classifier (hidden 32, random init from seed 0, no dropout) and a WordPiece
     tokenizer over ``words`` into ``folder``, loadable with ``from_pretrained``. No dropout, so runs with
-    different process counts or loops can be compared exactly."""
+    different process counts or loops can be compared exactly. ``head=False``: the encoder alone, as a pretrained
+    checkpoint is, so a classifier loaded from it draws a new head (the run's seed)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
@@ -21,7 +22,8 @@ def save_tiny_bert(folder: Path, words: Sequence[str], num_labels: int = 2) -> P
                         intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(folder)
+    model = BertForSequenceClassification(config)
+    (model if head else model.bert).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -127,6 +127,7 @@ def setup(cfg: RunConfig) -> Run:
     with accelerator.main_process_first(), backend.loading_whole_models(accelerator):
         model, tokenizer = declared.load(cfg, *data.read(declared))
         data.prepare_rows(declared, tokenizer, model, mesh)
+    backend.whole_on_every_process(accelerator, model)
     model = adapters.apply(model, cfg, accelerator.device.type, declared.peft_task_type)
     model = backend.tensor_parallel_model(accelerator, model)
     # Bound to the model as loaded: DPO's frozen reference is copied before training changes the model.
@@ -152,6 +153,7 @@ def setup(cfg: RunConfig) -> Run:
     optimizer = build_optimizer(model, cfg.optim, accelerator.device.type,
                                 dtensors=backend.has_dtensor_parameters(accelerator))
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *data.loaders())
+    backend.check_optimizer_parameters(accelerator, model, optimizer)
     data.use_prepared(loaders, mesh)
     if accelerator.gradient_accumulation_steps != train_step.micro_batches_per_update:
         # accelerate takes a DeepSpeed config file's own value over the run's (with a warning only).

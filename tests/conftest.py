@@ -30,6 +30,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory) -> Path:
+    """The tiny BERT without its classifier head, as a pretrained encoder is: a run's classifier draws a new one."""
+    from framework.testing import save_tiny_bert
+
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_encoder"), POSITIVE + NEGATIVE + NEUTRAL, head=False)
+
+
+@pytest.fixture(scope="session")
 def easy_data(tmp_path_factory) -> Path:
     return write_csv(tmp_path_factory.mktemp("data") / "easy.csv", synthetic_rows(400, seed=1))
 

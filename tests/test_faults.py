@@ -262,21 +262,15 @@ def test_a_skipped_step_leaves_the_weights_and_the_optimizer_state_as_they_were(
 # checkpoints and a sharded gradient norm meet the same faults.
 STRATEGY = pytest.mark.parametrize("strategy", [pytest.param([], id="ddp"), pytest.param(
     ["distributed.strategy=fsdp"], id="fsdp2", marks=pytest.mark.slow)])
-# A known failure found by this crossing, not mended yet: under FSDP2 a checkpoint of the toy task after a step
-# that left the optimizer without state ends in KeyError in torch's get_state_dict, so the fault is never reached.
-FSDP2_CHECKPOINT_BUG = pytest.mark.xfail(strict=True, reason="FSDP2: KeyError in torch's optimizer get_state_dict at "
-                                         "the toy task's checkpoint (issue 48)")
 
 
 @pytest.mark.multiprocess
 @STRATEGY
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_a_nan_on_one_process_of_two(policy, strategy, harness, cli, tmp_path, request):
+def test_a_nan_on_one_process_of_two(policy, strategy, harness, cli, tmp_path):
     """One row with an infinite target, so one process's loss in one step is not finite. stop: both processes see
     it in the loss summed over them at that log step and stop with status 4 (the launcher exits 1), one line, the
     checkpoints before kept and finite. skip: the gradients are all-reduced, so both skip the same step and finish."""
-    if strategy and policy == "skip":
-        request.applymarker(FSDP2_CHECKPOINT_BUG)
     out = tmp_path / policy
     args = harness.args(out, f"train.on_nonfinite={policy}", "train.batch_size=4", "checkpoint.every_steps=1",
                         *strategy, train=harness.poisoned(50))
@@ -293,14 +287,11 @@ def test_a_nan_on_one_process_of_two(policy, strategy, harness, cli, tmp_path, r
 
 @pytest.mark.multiprocess
 @STRATEGY
-def test_a_disk_filled_by_one_process_of_two_ends_both_with_status_5(strategy, disk, harness, cli, monkeypatch,
-                                                                    request):
+def test_a_disk_filled_by_one_process_of_two_ends_both_with_status_5(strategy, disk, harness, cli, monkeypatch):
     """2 processes (cpu_ddp), the disk filled right after process 1 wrote its share of the second checkpoint: each
     process that meets the full disk says so in one line (process 1's marked), the launcher reports status 5, the
     main process alone removes the shared partial folder, the first checkpoint stays; the same command, with room
     again, resumes it and finishes."""
-    if strategy:
-        request.applymarker(FSDP2_CHECKPOINT_BUG)
     fault_injection.restore(disk)
     out = disk / ("fsdp2" if strategy else "ddp")
     shutil.rmtree(out, ignore_errors=True)

@@ -62,7 +62,7 @@ def blank_prompt(rows):
 # (optionally) logged figures that must be equal at every step ("same").
 CONTRACTS = {
     "text_classification": dict(
-        fixtures=("tiny_model", "easy_data"), args=tiny_args, batch=8, weights=(1e-5, 1e-6), losses=None,
+        fixtures=("tiny_encoder", "easy_data"), args=tiny_args, batch=8, weights=(1e-5, 1e-6), losses=None,
         overrides=["train.max_steps=6", "optim.lr=3e-3", "train.max_grad_norm=null", "train.eval_batch_size=3"],
         eval=("loss", 1e-5), rows=lambda: synthetic_rows(100, seed=1), spoil=bad_text,
         # 16 steps of 5 per epoch (40 rows): killed mid-epoch in the third epoch, after step 10's checkpoint.

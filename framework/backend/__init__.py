@@ -19,14 +19,14 @@ a module of its own:
 """
 
 from framework.backend.build import (build_accelerator, fsdp2_on_cpu_processes, loading_whole_models, release,
-                                    tensor_parallel_model)
+                                    tensor_parallel_model, whole_on_every_process)
 from framework.backend.compiles import CompileWatch, xla_stats
 from framework.backend.cpu import cpu_threads, large_buffers_unmapped, reuse_large_buffers
 from framework.backend.generation import generating, generation_ready, weights_gathered
 from framework.backend.hardware import peak_flops, peak_memory_bytes, total_memory_bytes
 from framework.backend.layout import MemoryLayout, memory_layout
 from framework.backend.launch import backend_name, describe, notes, strategy_name
-from framework.backend.ops import (any_process, clip_gradients, place_model, preemption_check_interval,
+from framework.backend.ops import (any_process, check_optimizer_parameters, clip_gradients, place_model, preemption_check_interval,
                                    read_scalar, run_pending, to_host, total_over_processes, unwrap, zero_scalar)
 from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, saving_gathered,
                                       state_dict_for_save)
@@ -40,9 +40,9 @@ from framework.backend.tracing import Trace
 from framework.backend.xla_spmd import Mesh
 
 __all__ = [
-    "CompileWatch", "MemoryLayout", "load_model_states", "load_states", "portable_states", "save_states", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "clip_gradients", "cpu_threads",
+    "CompileWatch", "MemoryLayout", "load_model_states", "load_states", "portable_states", "save_states", "Mesh", "Strategy", "Trace", "any_process", "auto_precision", "backend_name", "build_accelerator", "check", "check_optimizer_parameters", "clip_gradients", "cpu_threads",
     "data_parallel", "describe", "fsdp2_on_cpu_processes", "gather_for_metrics", "generating", "generation_ready", "has_dtensor_parameters", "has_xla", "is_fsdp2", "is_tensor_parallel", "is_zero3", "weights_gathered",
-    "held_bytes", "large_buffers_unmapped", "loading_whole_models", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
+    "held_bytes", "large_buffers_unmapped", "loading_whole_models", "whole_on_every_process", "local_shard", "memory_layout", "model_checkpointing", "needs_static_shapes", "notes",
     "on_xla", "parameter_shards", "peak_flops", "peak_memory_bytes", "place_model", "planned_strategy", "preemption_check_interval",
     "read_scalar", "release", "run_pending", "resolved_distributed", "reuse_large_buffers", "saving_gathered", "select_backend", "shards_parameters",
     "state_dict_for_save", "strategy", "strategy_name", "tensor_parallel_model", "tensor_parallel_size", "to_host",

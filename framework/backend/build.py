@@ -155,6 +155,37 @@ def loading_whole_models(accelerator: Accelerator) -> Iterator[None]:
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
+def whole_on_every_process(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """The parameters a pretrained checkpoint lacks (a classifier's new head), made real on every process with the
+    first process's values. Under FSDP's CPU-RAM-efficient loading transformers leaves them on the meta device on
+    every other process (the first process's weights are broadcast in ``prepare``), and accelerate (1.15) maps the
+    optimizer's parameters to FSDP2's shards by data pointer, which is 0 for all of them: the optimizer of process
+    1 held the head's bias twice and its weight not at all (the toy regression's checkpoint ended in KeyError: 16
+    in torch's get_state_dict; a 2-class head trained one row on the first process only)."""
+    if accelerator.num_processes == 1 or accelerator.distributed_type != "FSDP":
+        return
+    import torch.distributed as dist
+
+    mine = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    names = [None] * accelerator.num_processes
+    dist.all_gather_object(names, mine)
+    missing = sorted(set().union(*names))
+    made = {}  # tied parameters stay one
+    for name in missing:
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, attribute)
+        if param.is_meta:
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                     requires_grad=param.requires_grad)
+            param = made[id(param)]
+            setattr(module, attribute, param)
+        value = param.data.to(accelerator.device)
+        dist.broadcast(value, src=0)
+        param.data.copy_(value)
+
+
 def fsdp2_wrap_classes(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """The block classes FSDP2's transformer wrap policy shards one by one: the model's ``_no_split_modules`` less
     those that hold its input or output embeddings. accelerate (1.15) shards those embeddings as units of their own
@@ -255,6 +286,22 @@ def _process_group_kwargs(cfg: RunConfig) -> list:
     return [InitProcessGroupKwargs(timeout=timedelta(minutes=minutes))] if minutes else []
 
 
+def _no_deepspeed() -> bool:
+    return False
+
+
+def _deepspeed_unwrapped_only_under_it(accelerator: Accelerator) -> None:
+    """accelerate (1.15) imports DeepSpeed in every ``unwrap_model`` where it is installed, to recognise its engine:
+    2.4 s of imports (mlflow, through its autotuner) in each process of a run that does not use it, measured in
+    the profile of a tiny run (14 s in all), and DeepSpeed's "Setting accelerator to CPU" warning. A run not under
+    DeepSpeed has no engine to unwrap, so its unwrapping does not ask; the next run in the same process, if under
+    DeepSpeed, asks again."""
+    from accelerate.utils import imports, other
+
+    deepspeed = accelerator.distributed_type == "DEEPSPEED"
+    other.is_deepspeed_available = imports.is_deepspeed_available if deepspeed else _no_deepspeed
+
+
 def build_accelerator(cfg: RunConfig, accumulation: int) -> Tuple[Accelerator, xla_spmd.Mesh]:
     """The Accelerator for the recipe and launch, and the SPMD mesh one process drives (``Mesh()`` without SPMD);
     ``accumulation``: the micro-batches of one weight update (``Task.micro_batches_per_update``)."""
@@ -287,6 +334,7 @@ def build_accelerator(cfg: RunConfig, accumulation: int) -> Tuple[Accelerator, x
     except (ValueError, ImportError, RuntimeError) as e:  # a precision the device lacks, a tracker not installed
         raise UserError(f"the launch settings and the recipe disagree: {str(e).splitlines()[0]}") from None
     fsdp2_on_cpu_processes(accelerator, plugins.get("fsdp_plugin"))
+    _deepspeed_unwrapped_only_under_it(accelerator)
     if is_fsdp2(accelerator) and cfg.distributed.fsdp.replicas > 1:
         _hybrid_shard(accelerator, cfg.distributed.fsdp.replicas)
     if cfg.distributed.tensor_parallel:

@@ -9,7 +9,7 @@ import torch
 
 from framework.backend import xla_spmd
 from framework.backend.build import fsdp2_wrap_classes
-from framework.backend.topology import is_tensor_parallel, on_xla, shards_parameters
+from framework.backend.topology import is_fsdp2, is_tensor_parallel, on_xla, shards_parameters
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -51,6 +51,18 @@ def place_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     if on_xla(accelerator) and hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def check_optimizer_parameters(accelerator: Accelerator, model: torch.nn.Module, optimizer) -> None:
+    """After ``prepare`` under FSDP2 (whose optimizer accelerate points at the shards by data pointer): the
+    optimizer holds each trained parameter of the model once, or the run stops here, naming the first that is not."""
+    if not is_fsdp2(accelerator):
+        return
+    held = [id(p) for group in optimizer.optimizer.param_groups for p in group["params"]]
+    for name, param in model.named_parameters():
+        if param.requires_grad and held.count(id(param)) != 1:
+            raise RuntimeError(f"FSDP2: the optimizer holds {name} {held.count(id(param))} times after prepare "
+                               "(once expected): accelerate mapped its parameters to the wrong shards")
 
 
 def unwrap(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.Mesh) -> torch.nn.Module:
