@@ -258,15 +258,25 @@ def test_a_skipped_step_leaves_the_weights_and_the_optimizer_state_as_they_were(
     assert proc.returncode == 4 and "the gradient norm is not finite at step 2, 2 times in a row" in proc.stderr
 
 
-# The 2-process fault tests under DDP (make test) and under FSDP2, chosen by key (make test-slow): sharded
-# checkpoints and a sharded gradient norm meet the same faults.
-STRATEGY = pytest.mark.parametrize("strategy", [pytest.param([], id="ddp"), pytest.param(
-    ["distributed.strategy=fsdp"], id="fsdp2", marks=pytest.mark.slow)])
+# The 2-process fault tests under DDP (make test), under FSDP2 and ZeRO-3, chosen by key (make test-slow): sharded
+# checkpoints (DCP's, DeepSpeed's own) and a sharded gradient norm meet the same faults. ZeRO-3 refuses
+# train.on_nonfinite=skip by key (DeepSpeed steps its own optimizer).
+STRATEGIES = {"ddp": [], "fsdp2": ["distributed.strategy=fsdp"],
+              "zero3": ["distributed.strategy=deepspeed", "distributed.deepspeed.zero_stage=3"]}
+
+
+def cells(*names: str) -> list:
+    """(policy, strategy) parameters, "policy-strategy" or "strategy"; all but DDP's marked slow."""
+    params = []
+    for name in names:
+        strategy = name.rpartition("-")[2]
+        values = (name.partition("-")[0], STRATEGIES[strategy]) if "-" in name else (STRATEGIES[strategy],)
+        params.append(pytest.param(*values, id=name, marks=[pytest.mark.slow] if strategy != "ddp" else []))
+    return params
 
 
 @pytest.mark.multiprocess
-@STRATEGY
-@pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.mark.parametrize("policy,strategy", cells("stop-ddp", "skip-ddp", "stop-fsdp2", "skip-fsdp2", "stop-zero3"))
 def test_a_nan_on_one_process_of_two(policy, strategy, harness, cli, tmp_path):
     """One row with an infinite target, so one process's loss in one step is not finite. stop: both processes see
     it in the loss summed over them at that log step and stop with status 4 (the launcher exits 1), one line, the
@@ -286,14 +296,14 @@ def test_a_nan_on_one_process_of_two(policy, strategy, harness, cli, tmp_path):
 
 
 @pytest.mark.multiprocess
-@STRATEGY
+@pytest.mark.parametrize("strategy", cells("ddp", "fsdp2", "zero3"))
 def test_a_disk_filled_by_one_process_of_two_ends_both_with_status_5(strategy, disk, harness, cli, monkeypatch):
     """2 processes (cpu_ddp), the disk filled right after process 1 wrote its share of the second checkpoint: each
     process that meets the full disk says so in one line (process 1's marked), the launcher reports status 5, the
     main process alone removes the shared partial folder, the first checkpoint stays; the same command, with room
     again, resumes it and finishes."""
     fault_injection.restore(disk)
-    out = disk / ("fsdp2" if strategy else "ddp")
+    out = disk / "run"
     shutil.rmtree(out, ignore_errors=True)
     monkeypatch.setenv("FAULT", "fill=0@save:2")
     monkeypatch.setenv("FAULT_RANK", "1")
