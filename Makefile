@@ -45,11 +45,15 @@ run: install
 # barrier then spins on the core its descheduled teammate needs: a tiny training test took 2.3x as long beside a busy
 # process (50 s against 22 s, three alternated rounds) until waiting threads sleep instead.
 SIDE_BY_SIDE = OMP_WAIT_POLICY=PASSIVE $(MAKE) --no-print-directory -j2 --output-sync=target
+# make test's CPU tier over 2 pytest-xdist workers, a test file each at a time (its module's shared runs stay in one
+# worker): the XLA tier beside it ends long before it. make ci keeps the tier in one worker, its other lane full.
+TEST_WORKERS = -n 2 --dist loadfile
+WORKERS =
 
 # The suite but the tests marked slow, its CPU and XLA tiers side by side: each alone leaves part of the 2 cores
 # idle (imports, compiles). Each tier's output comes when it is done.
 test:
-	@$(SIDE_BY_SIDE) test-cpu test-xla
+	@$(SIDE_BY_SIDE) WORKERS="$(TEST_WORKERS)" test-cpu test-xla
 
 # The tests marked slow: the real recipes as written (the pretrained MiniLM on Rotten Tomatoes; SmolLM2 on Hamlet,
 # SFT and the sft -> dpo chain; minutes each) and variants of runs make test checks (LoRA and a causal LM over SPMD
@@ -131,7 +135,7 @@ gguf-llamacpp: install
 	$(BIN)/python tools/gguf_llamacpp.py
 
 test-cpu: install
-	@$(call TIMED,test-cpu,$(BIN)/python -m pytest -m "not xla and not slow" --durations=25 tests)
+	@$(call TIMED,test-cpu,$(BIN)/python -m pytest -m "not xla and not slow" $(WORKERS) --durations=25 tests)
 
 # The GPU checks (tests/test_gpu.py), on a machine with a CUDA GPU: one GPU's cases, two GPUs' where there are two;
 # then tests/test_fsdp.py unchanged (its slow variants too) on 2 GPUs over NCCL: what the CPU tier proved over gloo.

@@ -26,8 +26,9 @@ from framework.backend.generation import generating, generation_ready, weights_g
 from framework.backend.hardware import peak_flops, peak_memory_bytes, total_memory_bytes
 from framework.backend.layout import MemoryLayout, memory_layout
 from framework.backend.launch import backend_name, describe, notes, strategy_name
-from framework.backend.ops import (any_process, check_optimizer_parameters, clip_gradients, place_model, preemption_check_interval,
-                                   read_scalar, run_pending, to_host, total_over_processes, unwrap, zero_scalar)
+from framework.backend.ops import (any_process, check_optimizer_parameters, clip_gradients, place_model,
+                                   preemption_check_interval, read_scalar, run_pending, to_host, total_over_processes,
+                                   unwrap, zero_scalar)
 from framework.backend.saving import (gather_for_metrics, held_bytes, local_shard, saving_gathered,
                                       state_dict_for_save)
 from framework.backend.selection import (Strategy, auto_precision, check, has_xla, model_checkpointing, planned_strategy,

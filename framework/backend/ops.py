@@ -3,6 +3,7 @@ it accumulates and reads, the transfers to the host."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
@@ -58,10 +59,10 @@ def check_optimizer_parameters(accelerator: Accelerator, model: torch.nn.Module,
     optimizer holds each trained parameter of the model once, or the run stops here, naming the first that is not."""
     if not is_fsdp2(accelerator):
         return
-    held = [id(p) for group in optimizer.optimizer.param_groups for p in group["params"]]
+    held = Counter(id(p) for group in optimizer.optimizer.param_groups for p in group["params"])
     for name, param in model.named_parameters():
-        if param.requires_grad and held.count(id(param)) != 1:
-            raise RuntimeError(f"FSDP2: the optimizer holds {name} {held.count(id(param))} times after prepare "
+        if param.requires_grad and held[id(param)] != 1:
+            raise RuntimeError(f"FSDP2: the optimizer holds {name} {held[id(param)]} times after prepare "
                                "(once expected): accelerate mapped its parameters to the wrong shards")
 
 
