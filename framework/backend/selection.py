@@ -24,9 +24,10 @@ XLA_INSTALL = "install it with `pip install -e '.[xla]'` (or `make install-xla`)
 
 def select_backend(cfg: RunConfig) -> None:
     """Call before accelerate is imported. With torch_xla installed accelerate always picks XLA, even when
-    asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead. accelerate imports
-    DeepSpeed wherever it is installed (to recognise its engine when unwrapping a model), and DeepSpeed, finding no
-    GPU, warns on every run that it fell back to the CPU: where the run trains on the CPU it is told so instead."""
+    asked for the CPU; USE_TORCH_XLA=0 is its documented switch to train natively instead. DeepSpeed, imported
+    on the CPU (by a run under it, or by a library that imports it wherever it is installed; accelerate's
+    unwrapping no longer does outside DeepSpeed: ``build._deepspeed_unwrapped_only_under_it``), warns that it fell
+    back to the CPU: where the run trains on the CPU it is told so instead."""
     if cfg.backend in ("cpu", "gpu"):
         os.environ["USE_TORCH_XLA"] = "0"
     if on_cpu(cfg):
