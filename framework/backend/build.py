@@ -164,14 +164,11 @@ def whole_on_every_process(accelerator: Accelerator, model: torch.nn.Module) -> 
     in torch's get_state_dict; a 2-class head trained one row on the first process only)."""
     if accelerator.num_processes == 1 or accelerator.distributed_type != "FSDP":
         return
-    import torch.distributed as dist
+    from accelerate.utils import broadcast, gather_object  # in the function, as build_accelerator imports accelerate
 
     mine = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
-    names = [None] * accelerator.num_processes
-    dist.all_gather_object(names, mine)
-    missing = sorted(set().union(*names))
     made = {}  # tied parameters stay one
-    for name in missing:
+    for name in sorted(set(gather_object(mine))):
         module_name, _, attribute = name.rpartition(".")
         module = model.get_submodule(module_name)
         param = getattr(module, attribute)
@@ -181,9 +178,7 @@ def whole_on_every_process(accelerator: Accelerator, model: torch.nn.Module) -> 
                                                      requires_grad=param.requires_grad)
             param = made[id(param)]
             setattr(module, attribute, param)
-        value = param.data.to(accelerator.device)
-        dist.broadcast(value, src=0)
-        param.data.copy_(value)
+        param.data.copy_(broadcast(param.data.to(accelerator.device), from_process=0))
 
 
 def fsdp2_wrap_classes(accelerator: Accelerator, model: torch.nn.Module) -> None:
