@@ -4,6 +4,7 @@
 ``main()`` returns, so a failure leaves as ``SystemExit`` with the status instead of a return value.
 """
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -22,4 +23,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A crash in native code (a segfault, glibc's abort on a corrupted heap) prints every thread's Python stack
+    # before the process dies: the line of the framework, torch or gloo it happened under.
+    faulthandler.enable()
     sys.exit(main())
