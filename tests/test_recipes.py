@@ -52,10 +52,10 @@ def dry_run_plan(out: str) -> None:
     assert "plan:" in out and "total_steps:" in out and "effective_batch:" in out, out[-3000:]
 
 
-def refusal(capsys, monkeypatch, hf_home, tmp_path, recipe) -> str:
+def refusal(capsys, monkeypatch, hf_home, tmp_path, recipe, *overrides: str) -> str:
     """The dry run's message after checking that it was refused as a user error (exit 2, no traceback)."""
     monkeypatch.chdir(ROOT)
-    assert run_main(dry_run(recipe, tmp_path), hf_home) == 2
+    assert run_main([*dry_run(recipe, tmp_path), *overrides], hf_home) == 2
     err = capsys.readouterr().err
     assert "error: " in err and "Traceback" not in err
     return err
@@ -73,26 +73,28 @@ def models_read(recipe: Path) -> dict:
     return found
 
 
-def earlier_run(recipe: Path):
-    """(the shipped recipe whose run's model/ this recipe reads (``model.name_or_path: runs/X/model``, or a reward
-    function ``model:runs/X/model``), the recipe key that names it), or None."""
+def earlier_runs(recipe: Path):
+    """[(a shipped recipe whose run's model/ this recipe reads (``model.name_or_path: runs/X/model``, or a reward
+    function ``model:runs/X/model``), the recipe key that names it)]: empty for a recipe that reads none."""
+    found = []
     for key, values in models_read(recipe).items():
         for other in RECIPES:
             model = f"{loading.read(other, [])[0].get('output_dir')}/model"
             if other != recipe and any(v in (model, f"model:{model}") for v in values):
-                return other, key
-    return None
+                found.append((other, key))
+    return found
 
 
-def pointed_at(recipe: Path, key: str, folder: Path) -> str:
-    """The override of ``key`` that reads ``folder`` instead of the earlier run's model/."""
+def pointed_at(recipe: Path, key: str, earlier: Path, folder: Path) -> str:
+    """The override of ``key`` that reads ``folder`` instead of the ``earlier`` recipe's run's model/."""
     if key == "model.name_or_path":
         return f"model.name_or_path={folder}"
-    functions = [f"model:{folder}" if f.startswith("model:") else f for f in models_read(recipe)[key]]
+    model = f"model:{loading.read(earlier, [])[0]['output_dir']}/model"
+    functions = [f"model:{folder}" if f == model else f for f in models_read(recipe)[key]]
     return f"{key}=[{','.join(functions)}]"
 
 
-AFTER_A_RUN = [r for r in RECIPES if not needs(r) and earlier_run(r)]
+AFTER_A_RUN = [r for r in RECIPES if not needs(r) and earlier_runs(r)]
 ANYWHERE = [r for r in RECIPES if not needs(r) and processes(r) == 1 and r not in AFTER_A_RUN]
 SEVERAL_PROCESSES = [r for r in RECIPES if not needs(r) and processes(r) > 1]
 ON_CUDA = [r for r in RECIPES if needs(r) == "cuda"]
@@ -117,20 +119,24 @@ def test_recipe_dry_run(capsys, monkeypatch, hf_home, tmp_path, recipe):
 
 @pytest.mark.parametrize("recipe", AFTER_A_RUN, ids=name)
 def test_recipe_on_an_earlier_runs_model(capsys, monkeypatch, hf_home, tmp_path, recipe):
-    """Refused by key before the earlier recipe has run; dry-runs on the model that run saves (built here from
-    the earlier recipe, untrained)."""
+    """Refused by key, naming the earlier run's model/ that is missing (each of them, the others there); dry-runs
+    on the models those runs save (built here from the earlier recipes, untrained)."""
     from framework.tasks import get_task
 
-    earlier, key = earlier_run(recipe)
-    model_dir = f"{loading.read(earlier, [])[0]['output_dir']}/model"
-    said = refusal(capsys, monkeypatch, hf_home, tmp_path, recipe)
-    assert (f"model.name_or_path: folder {model_dir} does not exist" in said if key == "model.name_or_path" else
-            f"{key}: 'model:{model_dir}': {model_dir} does not exist" in said), said
-    first = load_config(earlier, [])
-    model, tokenizer = get_task(first.task).load(first, None, None)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    assert run_main([*dry_run(recipe, tmp_path), pointed_at(recipe, key, tmp_path / "model")], hf_home) == 0
+    overrides = {}
+    for earlier, key in earlier_runs(recipe):
+        first = load_config(earlier, [])
+        model, tokenizer = get_task(first.task).load(first, None, None)
+        folder = tmp_path / earlier.stem / "model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        overrides[earlier, key] = pointed_at(recipe, key, earlier, folder)
+    for (earlier, key), override in overrides.items():
+        model_dir = f"{loading.read(earlier, [])[0]['output_dir']}/model"
+        said = refusal(capsys, monkeypatch, hf_home, tmp_path, recipe, *(o for o in overrides.values() if o != override))
+        assert (f"model.name_or_path: folder {model_dir} does not exist" in said if key == "model.name_or_path" else
+                f"{key}: 'model:{model_dir}': {model_dir} does not exist" in said), said
+    assert run_main([*dry_run(recipe, tmp_path), *overrides.values()], hf_home) == 0
     dry_run_plan(capsys.readouterr().out)
 
 
