@@ -73,13 +73,18 @@ def models_read(recipe: Path) -> dict:
     return found
 
 
+def saved_model(recipe: Path) -> str:
+    """The model/ a shipped recipe's run saves, as another recipe names it (``runs/X/model``)."""
+    return f"{loading.read(recipe, [])[0].get('output_dir')}/model"
+
+
 def earlier_runs(recipe: Path):
     """[(a shipped recipe whose run's model/ this recipe reads (``model.name_or_path: runs/X/model``, or a reward
     function ``model:runs/X/model``), the recipe key that names it)]: empty for a recipe that reads none."""
     found = []
     for key, values in models_read(recipe).items():
         for other in RECIPES:
-            model = f"{loading.read(other, [])[0].get('output_dir')}/model"
+            model = saved_model(other)
             if other != recipe and any(v in (model, f"model:{model}") for v in values):
                 found.append((other, key))
     return found
@@ -89,8 +94,7 @@ def pointed_at(recipe: Path, key: str, earlier: Path, folder: Path) -> str:
     """The override of ``key`` that reads ``folder`` instead of the ``earlier`` recipe's run's model/."""
     if key == "model.name_or_path":
         return f"model.name_or_path={folder}"
-    model = f"model:{loading.read(earlier, [])[0]['output_dir']}/model"
-    functions = [f"model:{folder}" if f == model else f for f in models_read(recipe)[key]]
+    functions = [f"model:{folder}" if f == f"model:{saved_model(earlier)}" else f for f in models_read(recipe)[key]]
     return f"{key}=[{','.join(functions)}]"
 
 
@@ -132,7 +136,7 @@ def test_recipe_on_an_earlier_runs_model(capsys, monkeypatch, hf_home, tmp_path,
         tokenizer.save_pretrained(folder)
         overrides[earlier, key] = pointed_at(recipe, key, earlier, folder)
     for (earlier, key), override in overrides.items():
-        model_dir = f"{loading.read(earlier, [])[0]['output_dir']}/model"
+        model_dir = saved_model(earlier)
         said = refusal(capsys, monkeypatch, hf_home, tmp_path, recipe, *(o for o in overrides.values() if o != override))
         assert (f"model.name_or_path: folder {model_dir} does not exist" in said if key == "model.name_or_path" else
                 f"{key}: 'model:{model_dir}': {model_dir} does not exist" in said), said
