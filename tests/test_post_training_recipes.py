@@ -123,15 +123,17 @@ UNTOUCHED = REFERENCES / "smollm2_untouched.json"
 
 def untouched_figures() -> dict:
     """The untouched model's baselines on the held-out rows: its zero-shot verdicts scored as asked, leniently and
-    by the likelier word, and its perplexity on the held-out speeches. Recorded ones where their fingerprint
+    by the likelier word, its perplexity on the held-out speeches and its greedy answers' rewards on the held-out
+    sums. Recorded ones where their fingerprint
     (the weights file, the rows) is this checkout's, else measured now."""
     prompts, right = held_out(SFT)
     texts = held_out(CAUSAL_LM)
+    sums, sums_right = held_out(GRPO)
     digest = hashlib.sha256()
     with open(CHAT_MODEL / "model.safetensors", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
-    digest.update(json.dumps([prompts, right, texts]).encode())
+    digest.update(json.dumps([prompts, right, texts, sums, sums_right]).encode())
     fingerprint = digest.hexdigest()
     recorded = json.loads(UNTOUCHED.read_text()) if UNTOUCHED.exists() else {}
     if recorded.get("fingerprint") == fingerprint and not os.environ.get("RECORD_REFERENCES"):
@@ -139,7 +141,8 @@ def untouched_figures() -> dict:
     zero_shot = generated(CHAT_MODEL, prompts, max_new_tokens=6)
     figures = {"fingerprint": fingerprint, "strict": strict_accuracy(zero_shot, right),
                "lenient": lenient_accuracy(zero_shot, right), "choice": choice_accuracy(CHAT_MODEL, prompts, right),
-               "perplexity": perplexity(CHAT_MODEL, texts)}
+               "perplexity": perplexity(CHAT_MODEL, texts),
+               "grpo": sum_rewards(generated(CHAT_MODEL, sums, max_new_tokens=sum_length()), sums_right)}
     if os.environ.get("RECORD_REFERENCES"):  # review the figures, then commit the file
         UNTOUCHED.write_text(json.dumps(figures, indent=2) + "\n")
     else:
@@ -235,6 +238,11 @@ def test_continued_pretraining_on_hamlet_lowers_held_out_perplexity(cli, untouch
     check_plan_and_mfu(summary)
 
 
+def sum_length() -> int:
+    """The grpo recipe's completion length: its answers, the untouched model's and the tuned one's, are as long."""
+    return load_config(GRPO, []).grpo.max_completion_length
+
+
 def sum_rewards(answers, right) -> dict:
     """The grpo recipe's rewards, written here apart from framework/tasks/online_rl/rewards.py: 1 where the last number of the answer
     is the sum, 0.5 where the answer is a number and nothing else; their means and the weighted total's."""
@@ -247,14 +255,12 @@ def sum_rewards(answers, right) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.llm
-def test_grpo_on_sums_raises_the_held_out_reward(cli, monkeypatch, tmp_path):
-    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+def test_grpo_on_sums_raises_the_held_out_reward(cli, untouched, tmp_path):
     out = tmp_path / "grpo"
     cli(["--config", str(GRPO), f"output_dir={out}"], launch="cpu.yaml", timeout=RUN_TIMEOUT)
     prompts, right = held_out(GRPO)
-    length = load_config(GRPO, []).grpo.max_completion_length
-    before = sum_rewards(generated(CHAT_MODEL, prompts, max_new_tokens=length), right)
-    after = sum_rewards(generated(out / "model", prompts, max_new_tokens=length), right)
+    before = untouched["grpo"]
+    after = sum_rewards(generated(out / "model", prompts, max_new_tokens=sum_length()), right)
     summary = json.loads((out / "summary.json").read_text())
     print(f"grpo on sums: held-out greedy reward {after} against the untouched model's {before} ({len(right)} "
           f"sums); the run's eval {summary['eval']}; {summary['train']['wall_seconds']:.0f} s")
