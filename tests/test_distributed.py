@@ -56,7 +56,7 @@ def args(tiny_model, easy_data, tmp_path):
     ("distributed.num_processes=2", "the recipe expects 2 processes but the launch started 1"),
     # Tensor parallelism (trained for real by tests/test_fsdp.py): what it cannot be combined with, by key.
     ("distributed.tensor_parallel=2", "distributed.tensor_parallel: 2, but the launch started 1 process(es)"),
-    ("distributed.tensor_parallel=2 distributed.strategy=fsdp", "(2D TP x FSDP) it is not supported here"),
+    ("distributed.tensor_parallel=2 distributed.strategy=fsdp", "2D TP x FSDP2 needs accelerate's FSDP2 x TP preparation"),
     ("distributed.tensor_parallel=2 distributed.local_sgd_steps=2", "local SGD averages whole models"),
     ("distributed.tensor_parallel=2 peft.r=4", "peft's LoRA layers wrap the linear layers"),
 ])
