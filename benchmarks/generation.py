@@ -174,7 +174,7 @@ def main() -> None:
     for _ in range(args.calls):
         run.train_step(run.context, batches)
     step_seconds = (time.perf_counter() - start) / args.calls
-    print(f"one GRPO step on these prompts: {step_seconds:.2f} s (its generation: framework's); a call of " + ", ".join(
+    print(f"one GRPO step on these prompts: {step_seconds:.2f} s (its generation: the generator's); a call of " + ", ".join(
         f"{name} {totals[name][2] / calls:.2f} s ({100 * totals[name][2] / calls / step_seconds:.0f}%)"
         for name in sides))
 
