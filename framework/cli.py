@@ -7,8 +7,10 @@ start-up then ends with one line and the shell's status, not a traceback from in
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -22,6 +24,7 @@ EXIT_DIVERGED = 4  # the loss or a weight stopped being finite: stopped before w
 EXIT_WRITE_FAILED = 5  # an output could not be written (no space, read-only, output_dir gone): nothing complete lost
 # Stopped by a signal with nothing to resume from yet: 128 + the signal's number (130 SIGINT, 143 SIGTERM),
 # the shell's convention; the same command starts over.
+_imports_frozen = False  # gc.freeze() done in this process (_imports_uncollected)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,20 +64,20 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
         try:
             if args.help_keys is not None:
                 return _help_keys(args.help_keys)
-            from framework.config import to_yaml
-            from framework.recipe import load_config
+            with _imports_uncollected():
+                from framework.config import to_yaml
+                from framework.recipe import load_config
 
-            cfg = load_config(args.config or default_recipe, args.overrides)
-            if args.print_config:
-                print(to_yaml(cfg), end="")
-                return 0
-            from framework import backend
+                cfg = load_config(args.config or default_recipe, args.overrides)
+                if args.print_config:
+                    print(to_yaml(cfg), end="")
+                    return 0
+                from framework import backend
 
-            backend.select_backend(cfg)  # before anything imports accelerate
-            from framework.health import Diverged
-            from framework.checkpoint import Preempted
-            from framework.train import train
-
+                backend.select_backend(cfg)  # before anything imports accelerate
+                from framework.health import Diverged
+                from framework.checkpoint import Preempted
+                from framework.train import train
             try:
                 train(cfg, dry_run=args.dry_run, signals=signals)
             except Preempted as e:
@@ -95,6 +98,26 @@ def main(argv: Optional[List[str]] = None, default_recipe: Optional[Path] = None
         except Interrupted as e:
             return _stopped(cfg, signals, e.signum)
     return 0
+
+
+@contextmanager
+def _imports_uncollected():
+    """The imports of torch, transformers, accelerate and datasets without the cyclic garbage collector, which then
+    leaves everything they made out of its later scans (``gc.freeze``, once per process). They make about 360,000
+    objects that live as long as the process and that every full collection walked: 0.18 s each, 0.65 s of the
+    3.3 s of imports (gc off against on) and 0.26 s of a tiny model's 0.68 s run in one process (0.43 s frozen),
+    measured alone. Objects made later are collected as before."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+    global _imports_frozen
+    if not _imports_frozen:
+        gc.freeze()
+        _imports_frozen = True
 
 
 def _help_keys(section: str) -> int:
