@@ -61,15 +61,16 @@ test:
 test-slow:
 	@$(SIDE_BY_SIDE) test-slow-cpu test-slow-xla
 
-# What CI runs (.ci/run): make test and make test-slow, each test once, packed for 2 cores in two lanes that end
-# about together: the CPU tier (whose tiny-model tests leave part of a core idle), then SmolLM2's recipes (marked
-# llm); beside them the XLA tier, its slow tests, then the CPU tier's slow tests that are not SmolLM2's. Run after
-# both lanes (as before), SmolLM2's recipes left a core idle in their single-threaded parts.
+# What CI runs (.ci/run): make test and make test-slow, each test once, packed for 2 cores in two lanes: the CPU
+# tier (whose tiny-model tests leave part of a core idle), then SmolLM2's recipes (marked llm); beside them the XLA
+# tier, its slow tests, then the CPU tier's slow tests that are not SmolLM2's. The recipes run mostly alone, after
+# the other lane, and without OMP_WAIT_POLICY=PASSIVE: alone, SmolLM2's decode steps took 1.3-1.5x as long with
+# their threads asleep at each barrier (benchmarks/generation.py, 2 alternated rounds), and the recipes 1.2-1.4x.
 ci:
 	@$(SIDE_BY_SIDE) test-cpu-llm test-xla-all
 
 test-cpu-llm: test-cpu
-	@$(MAKE) --no-print-directory test-slow-llm
+	@env -u OMP_WAIT_POLICY $(MAKE) --no-print-directory test-slow-llm
 
 test-xla-all: test-xla
 	@$(MAKE) --no-print-directory test-slow-xla

@@ -65,7 +65,7 @@ def run_main(args: List[str], hf_home: Path) -> int:
 
 def train_ok(args: List[str], hf_home: Path) -> None:
     """``run.py ARGS`` in this process, which must succeed: a baseline run whose process boundary is not what a
-    test is about (a subprocess costs about 9 s of imports here)."""
+    test is about (a subprocess of its own costs about 4 s more here: its imports and start-up)."""
     assert run_main(args, hf_home) == 0, args
 
 
