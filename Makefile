@@ -65,7 +65,7 @@ test-slow:
 # tier (whose tiny-model tests leave part of a core idle), then SmolLM2's recipes (marked llm); beside them the XLA
 # tier, its slow tests, then the CPU tier's slow tests that are not SmolLM2's. The recipes run mostly alone, after
 # the other lane, and without OMP_WAIT_POLICY=PASSIVE: alone, SmolLM2's decode steps took 1.3-1.5x as long with
-# their threads asleep at each barrier (benchmarks/generation.py, 2 alternated rounds), and the recipes 1.2-1.4x.
+# their threads asleep at each barrier (benchmarks/generation.py, 2 alternated rounds); in CI each recipe 2-8%.
 ci:
 	@$(SIDE_BY_SIDE) test-cpu-llm test-xla-all
 
