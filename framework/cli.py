@@ -24,7 +24,6 @@ EXIT_DIVERGED = 4  # the loss or a weight stopped being finite: stopped before w
 EXIT_WRITE_FAILED = 5  # an output could not be written (no space, read-only, output_dir gone): nothing complete lost
 # Stopped by a signal with nothing to resume from yet: 128 + the signal's number (130 SIGINT, 143 SIGTERM),
 # the shell's convention; the same command starts over.
-_imports_frozen = False  # gc.freeze() done in this process (_imports_uncollected)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,10 +113,8 @@ def _imports_uncollected():
     finally:
         if enabled:
             gc.enable()
-    global _imports_frozen
-    if not _imports_frozen:
+    if not gc.get_freeze_count():  # later runs in the same process (tests, one launch of several runs) keep theirs
         gc.freeze()
-        _imports_frozen = True
 
 
 def _help_keys(section: str) -> int:

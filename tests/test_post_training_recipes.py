@@ -124,8 +124,8 @@ UNTOUCHED = REFERENCES / "smollm2_untouched.json"
 def untouched_figures() -> dict:
     """The untouched model's baselines on the held-out rows: its zero-shot verdicts scored as asked, leniently and
     by the likelier word, its perplexity on the held-out speeches and its greedy answers' rewards on the held-out
-    sums. Recorded ones where their fingerprint
-    (the weights file, the rows) is this checkout's, else measured now."""
+    sums. Recorded ones where their fingerprint (the weights file, the rows) is this checkout's, else measured
+    now."""
     prompts, right = held_out(SFT)
     texts = held_out(CAUSAL_LM)
     sums, sums_right = held_out(GRPO)

@@ -216,8 +216,7 @@ def _tensor_parallel_problem(cfg: RunConfig, strategy_: str, xla: bool) -> Optio
     if xla:
         return f"{key}: tensor parallelism runs on CPU processes (gloo) and GPUs, not on XLA; remove the key"
     if strategy_ not in ("auto", "ddp"):
-        # 2D (FSDP2 x TP) is accelerate's path: its prepare (1.15 and 1.16, the newest) imports transformers'
-        # ReplicateParallel, which transformers 5 removed, so it fails on every process (tried on 4 processes).
+        # Tried on 4 processes of the tiny Llama: every process failed in accelerate's prepare, as the message says.
         return (f"{key}: tensor parallelism with strategy {_strategy_key(cfg)} is not available: 2D TP x FSDP2 "
                 "needs accelerate's FSDP2 x TP preparation, which (accelerate 1.15 and 1.16) imports a class "
                 "transformers 5 removed (ReplicateParallel); use distributed.strategy=auto or ddp (TP alone)")
