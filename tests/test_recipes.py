@@ -3,6 +3,7 @@ loaded, the plan printed, exit 0) where its hardware is, and is refused (exit 2,
 where it is not. Recipes run from the repository root, as the README shows them."""
 
 import importlib.util
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
+@cache  # the lists below ask it of each recipe several times while the module is collected
 def needs(recipe: Path) -> str:
     """The hardware a recipe asks for: 'xla', 'cuda', or '' (whatever this machine has; also for a recipe
     that does not validate, so that its dry run reports why)."""
@@ -33,6 +35,7 @@ def needs(recipe: Path) -> str:
     return ""
 
 
+@cache
 def processes(recipe: Path) -> int:
     try:
         return load_config(recipe, []).distributed.num_processes or 1
@@ -73,6 +76,7 @@ def models_read(recipe: Path) -> dict:
     return found
 
 
+@cache  # earlier_runs asks it of every recipe for every recipe
 def saved_model(recipe: Path) -> str:
     """The model/ a shipped recipe's run saves, as another recipe names it (``runs/X/model``)."""
     return f"{loading.read(recipe, [])[0].get('output_dir')}/model"
