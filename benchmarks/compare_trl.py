@@ -1,13 +1,14 @@
 """Post-training: the framework against TRL (SFTTrainer, DPOTrainer, GRPOTrainer), the same jobs side by side in
 one run.
 
-    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora,grpo_lora] [--steps 10] [--rounds 3]
-        [--skip-steps 2] [--train-rows 480] [--eval-rows 100] [--threads N]
+    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora,grpo_lora,grpo_tools] [--steps 10]
+        [--rounds 3] [--skip-steps 2] [--train-rows 480] [--eval-rows 100] [--threads N]
         [--gradient-checkpointing defaults|off|on] [--fixed-seed] [--no-warmup] [--set KEY=VALUE ...]
         [--json results.json]
 
-Four jobs on SmolLM2-135M-Instruct (``assets/SmolLM2-135M-Instruct``: Llama, tied embeddings, ChatML template),
-fp32 on the CPU, each run for ``--steps`` optimizer steps (default 10) by two sides, each in its own process:
+Five jobs on SmolLM2-135M-Instruct (``assets/SmolLM2-135M-Instruct``: Llama, tied embeddings, ChatML template; the
+fifth on the model recipes/sft_tools.yaml makes of it), fp32 on the CPU, each run for ``--steps`` optimizer steps
+(default 10) by two sides, each in its own process:
 
 - framework: the real CLI, ``python recipes/run.py --config RECIPE train.max_steps=N output_dir=DIR ...``;
 - TRL: ``compare_trl.py --side trl --config RECIPE ...`` (this file, below): ``trl.SFTTrainer`` with ``SFTConfig``
@@ -29,6 +30,40 @@ The jobs:
   from the rewards, not the loss (about 0 with one update per generation): the mean over the steps of each
   step's reward, and each side's own eval reward (the framework: one greedy answer per eval prompt; TRL: its
   ``num_generations`` samples of each). Tokens: the prompt and completion tokens of the update.
+- ``grpo_tools``: ``recipes/grpo_tools.yaml``: GRPO as ``grpo_lora`` (its own settings: 8 completions of at most 96
+  tokens, the dapo loss, beta 0, lr 1e-4, constant, no weight decay) on multiplications, each rollout allowed
+  ``grpo.max_tool_calls`` (2) turns of calls to recipes/tools/calculator.py's ``multiply``. The rows are
+  ``assets/tool_prompts.jsonl``'s (500: ``--train-rows`` and ``--eval-rows`` must sum to at most that, the
+  defaults' 580 do not). Its model is the recipe's, ``runs/sft_tools/model``, which ``accelerate launch
+  recipes/run.py --config recipes/sft_tools.yaml`` saves (not one of the default jobs: run that recipe first, or
+  pass ``--set model.name_or_path=...``). TRL: ``GRPOTrainer(tools=[multiply])`` (the function
+  imported as the framework imports ``grpo.tools``), ``max_tool_calling_iterations=grpo.max_tool_calls`` and the
+  tokenizer as ``processing_class``: the model's, given ``data.chat_template`` (chatml-tools, the template the
+  sft_tools model carries already) as the framework gives it (``templates.use_template``; where that adds
+  ``<tool_call>`` and ``</tool_call>`` to a model without them, as ``--set model.name_or_path=
+  assets/SmolLM2-135M-Instruct`` does, TRL gets the model grown as the framework grows it,
+  ``templates.resize_embeddings``, but its new rows stay frozen where the framework trains them beside the
+  adapters: peft's ``trainable_token_indices`` wraps the tied output layer, which TRL 1.16's fused LM head cannot
+  read, an AttributeError on its ``bias``; the sft_tools model has the tokens, and neither side adds rows). TRL's
+  ``add_response_schema`` knows the template's format (Qwen's and Hermes' ``<tool_call>{json}
+  </tool_call>``) by the exact template text only, and refuses ours, so the side sets TRL's own Qwen 3 response
+  template (``qwen3_template``) on the tokenizer before building the trainer; with it TRL parses
+  ``<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>`` into that call.
+  chatml-tools is prefix-preserving as TRL checks it (``is_chat_template_prefix_preserving``: true), so TRL keeps
+  it: both sides render the same prompts (the schema in the system turn) and insert the same tool turns. Equal:
+  ``max_completion_length`` counts the model's and the tool turns' tokens on both sides, a tool result that
+  does not fit is dropped and the rollout ends at its call, and tool tokens are out of the loss. Tool figures:
+  ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed share of the calls),
+  logged each step by both; the table gives the calls per rollout (mean over steps) and the failed share of all
+  the run's calls (0 without calls, as both log it). What differs, each side's own design: the framework stops
+  sampling at ``</tool_call>`` (one id) and inserts the rest of the turn (``<|im_end|>``) with the tool turn, one
+  call per turn; TRL samples to the end of the turn, so the model writes that ``<|im_end|>`` itself (in TRL's
+  loss and token count), and every call of the turn is run. The framework samples at most the budget left after
+  each tool turn; TRL samples up to ``max_completion_length`` new tokens after each and then cuts them to it.
+  TRL drops a tool turn that would pass the budget, the framework one that leaves no room for a sampled token.
+  A malformed call (bad JSON, no ``</tool_call>``) is a failed call with an error result for the framework; TRL
+  reads it as plain text (no call, no failure, and its text counts for the rewards). TRL has no tool timeout
+  (``grpo.tool_timeout`` is the framework's alone).
 
 Same data: the SmolLM2 template has no ``{% generation %}`` markers, so TRL's ``assistant_only_loss`` cannot be
 used; both SFT sides instead train on prompt/completion conversations (TRL's default for such rows: loss on the
@@ -103,12 +138,13 @@ import tempfile
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Set, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PAIRS = ROOT / "assets" / "rotten_tomatoes_pairs.jsonl"
 SUMS = ROOT / "assets" / "sums.jsonl"
+TOOL_PROMPTS = ROOT / "assets" / "tool_prompts.jsonl"
 FAR = 10 ** 9  # a step count beyond any run: eval.every_steps that never comes
 DEFAULT_CHECKPOINTING = "--trl-default-checkpointing"  # the TRL side keeps TRL's gradient checkpointing default
 
@@ -136,6 +172,8 @@ def trl_side(argv: List[str]) -> None:
         sys.exit("DPOTrainer has the sigmoid and ipo losses (simpo is CPOTrainer's)")
     if cfg.task not in ("sft", "dpo", "grpo"):
         sys.exit("compare_trl.py runs the sft, dpo and grpo tasks")
+    if cfg.task == "grpo" and cfg.grpo.environment:
+        sys.exit("the TRL side mirrors grpo.tools, not grpo.environment")
 
     import torch
 
@@ -208,11 +246,15 @@ def trl_side(argv: List[str]) -> None:
     evaluation = trainer.evaluate()
     print(f"eval {evaluation}", flush=True)
     trainer.save_model(str(Path(cfg.output_dir) / "model"))
+    steps = [e for e in trainer.state.log_history if "loss" in e]  # one record per step (logging_steps 1)
     summary = {"train": {"steps": trained.global_step, "wall_seconds": trained.metrics["train_runtime"],
                          "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)},
                "eval": {k.removeprefix("eval_"): v for k, v in evaluation.items()},
                "tokens_per_step": [int(n) for n in per_step],
-               "rewards": [e["reward"] for e in trainer.state.log_history if "reward" in e and "loss" in e]}
+               "rewards": [e["reward"] for e in steps if "reward" in e],
+               # With tools, TRL's per-step figures: calls per rollout, failed share of the calls (0 without calls).
+               "tools": {key: [e[f"tools/{key}"] for e in steps if f"tools/{key}" in e]
+                         for key in ("call_frequency", "failure_frequency")}}
     (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -228,6 +270,9 @@ def grpo_trainer(cfg, settings: dict, data, peft_config):
 
     g, group = cfg.grpo, cfg.grpo.num_generations
     functions = rewards.load(g.reward_functions, g.answer_column, g.regex, "grpo.reward_functions")
+    model, tool_settings = cfg.model.name_or_path, {}
+    if g.tools:
+        model, tool_settings = with_tools(cfg)
     settings.update(per_device_train_batch_size=cfg.train.batch_size * group,
                     per_device_eval_batch_size=cfg.train.batch_size * group,
                     logging_steps=1)  # the reward of every step, as the framework's train.log_every=1
@@ -236,9 +281,37 @@ def grpo_trainer(cfg, settings: dict, data, peft_config):
                           epsilon=g.epsilon, epsilon_high=g.epsilon_high, num_iterations=g.iterations,
                           beta=g.beta, scale_rewards=g.scale_rewards,
                           mask_truncated_completions=g.mask_truncated_completions,
-                          reward_weights=list(g.reward_weights) if g.reward_weights else None)
-    return trl.GRPOTrainer(model=cfg.model.name_or_path, reward_funcs=[f.function for f in functions], args=args,
-                           train_dataset=data["train"], eval_dataset=data["eval"], peft_config=peft_config)
+                          reward_weights=list(g.reward_weights) if g.reward_weights else None,
+                          **({"max_tool_calling_iterations": g.max_tool_calls} if tool_settings else {}))
+    return trl.GRPOTrainer(model=model, reward_funcs=[f.function for f in functions], args=args,
+                           train_dataset=data["train"], eval_dataset=data["eval"], peft_config=peft_config,
+                           **tool_settings)
+
+
+def with_tools(cfg):
+    """(the model, ``GRPOTrainer``'s tool arguments) of a run with ``grpo.tools``, as a TRL user sets them up: the
+    functions imported as the framework imports them (``tools.Toolbox``); the model's tokenizer with
+    ``data.chat_template`` given as the framework gives it (chatml-tools: the sft_tools model's own already), and
+    TRL's Qwen 3 response template, which parses chatml-tools' ``<tool_call>{json}</tool_call>`` (TRL's
+    ``add_response_schema`` recognises templates by their exact text, and not ours). Where the template adds tokens
+    the model lacks, the model is loaded and grown as the framework grows it (its new rows frozen: peft's
+    ``trainable_token_indices``, the framework's way to train them, breaks TRL's fused LM head); otherwise TRL
+    loads it from its path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    from framework import templates
+    from framework.tasks.online_rl.tools import Toolbox
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
+    added = templates.use_template(tokenizer, cfg.data.chat_template)
+    tokenizer.response_template = qwen3_template
+    model = cfg.model.name_or_path
+    if added:
+        model = AutoModelForCausalLM.from_pretrained(model)
+        templates.resize_embeddings(model, tokenizer)
+    tools = list(Toolbox(cfg.grpo, "grpo").functions.values())
+    return model, {"processing_class": tokenizer, "tools": tools}
 
 
 # ---------------------------------------------------------------- the parent
@@ -266,7 +339,7 @@ class Job:
     skip: int  # the first steps, left out of steady tokens/s
     threads: int
     checkpointing: str  # --gradient-checkpointing
-    kind: str = "sft"  # sft, dpo or grpo: the data, and what the job's quality is read from
+    kind: str = "sft"  # sft, dpo, grpo or grpo_tools: the data, and what the job's quality is read from
     overrides: List[str] = field(default_factory=list)  # --set, for both sides
     seed: int = 42  # the seed of the runs about to start (set per round)
     loops: Dict[str, List[str]] = field(default_factory=dict)
@@ -274,17 +347,25 @@ class Job:
     RATIOS: ClassVar[List[str]] = ["total_wall_s", "steady_tokens_per_s", "peak_rss_mib"]
     # What each job's quality is read from, per side: the last step's loss and the eval loss; GRPO's loss is no
     # measure of learning (with one update per generation, its value is about 0), its rewards are.
+    # With tools, also the tool figures both log each step: calls per rollout and the failed share of the calls.
     QUALITY: ClassVar[Dict[str, List[Tuple[str, str]]]] = {
         "loss": [("train_loss", "final train loss"), ("eval_loss", "eval loss")],
         "reward": [("train_reward", "train reward (mean over steps)"),
                    ("eval_reward", "eval reward (framework greedy, TRL sampled)")]}
+    QUALITY["tools"] = [*QUALITY["reward"], ("tool_calls", "tool calls per rollout (mean over steps)"),
+                        ("tool_failures", "failed share of tool calls")]
     # Quality figures that are not like for like, reported but not judged: the framework's GRPO eval decodes
     # greedily, TRL's samples num_generations completions at the training temperature.
     UNMATCHED: ClassVar[List[str]] = ["eval_reward"]
 
     @property
+    def rl(self) -> bool:
+        """Whether the job is GRPO (its quality read from the rewards)."""
+        return self.kind in ("grpo", "grpo_tools")
+
+    @property
     def quality(self) -> List[Tuple[str, str]]:
-        return self.QUALITY["reward" if self.kind == "grpo" else "loss"]
+        return self.QUALITY["tools" if self.kind == "grpo_tools" else "reward" if self.rl else "loss"]
 
     @property
     def metrics(self) -> List[str]:
@@ -331,14 +412,23 @@ class Job:
             resolved = load_config(done.output_dir / "config.yaml", [])  # the recipe the run resolved
             result["gradient_checkpointing"] = resolved.train.gradient_checkpointing
             rewards = [r["reward"] for r in records if "reward" in r]  # train records; eval's say eval_reward
+            tools = {key: [r[f"tools/{key}"] for r in records if f"tools/{key}" in r]
+                     for key in ("call_frequency", "failure_frequency")}
         else:
             tokens = summary["tokens_per_step"]
             result["gradient_checkpointing"] = summary["train"]["gradient_checkpointing"]
-            rewards = summary["rewards"]
-        if self.kind == "grpo":
+            rewards, tools = summary["rewards"], summary["tools"]
+        if self.rl:
             if len(rewards) != steps:
                 sys.exit(f"{self.name}, {loop}: rewards for {len(rewards)} steps instead of {steps}")
             result.update(train_reward=statistics.mean(rewards), eval_reward=summary["eval"]["reward"])
+        if self.kind == "grpo_tools":
+            calls, failures = tools["call_frequency"], tools["failure_frequency"]
+            if len(calls) != steps or len(failures) != steps:
+                sys.exit(f"{self.name}, {loop}: tool figures for {len(calls)} steps instead of {steps}")
+            # Every step samples as many rollouts: a step's calls are its calls per rollout times that count.
+            result.update(tool_calls=statistics.mean(calls),
+                          tool_failures=sum(c * f for c, f in zip(calls, failures)) / sum(calls) if sum(calls) else 0.0)
         if len(tokens) != steps:
             sys.exit(f"{self.name}, {loop}: token counts for {len(tokens)} steps instead of {steps}")
         steady = None
@@ -396,7 +486,7 @@ class Job:
                  "Median over rounds (min-max):", "",
                  "| side | total wall (s) | time to first step (s) | steady tokens/s | tokens/step | peak RSS (MiB) | "
                  + " | ".join(name for _, name in self.quality) + " |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                 "| --- |" + " ---: |" * len(self.metrics)]
         formats = {"total_wall_s": ".1f", "time_to_first_step_s": ".1f", "steady_tokens_per_s": ".0f",
                    "tokens_per_step": ".0f", "peak_rss_mib": ".0f", **{key: ".4f" for key, _ in self.quality}}
         lines += [f"| {side} | " + " | ".join(show(s[m], formats[m]) for m in self.metrics) + " |"
@@ -413,7 +503,7 @@ class Job:
                       f"the sides' ranges over the rounds {'overlap' if overlap else 'do NOT overlap'}")
             lines.append(f"{name}: framework - TRL = {f['median'] - t['median']:+.4f} (medians); {judged}.")
         framework_runs = [r for r in runs if r["side"] == "framework"]
-        mismatch = [r for r in framework_runs if self.kind != "grpo" and abs(
+        mismatch = [r for r in framework_runs if not self.rl and abs(
             r["logged_train_loss"] - r["train_loss"]) > 1e-5 * max(1.0, abs(r["train_loss"]))]
         if mismatch:
             lines.append("WARNING: the framework's logged last-step loss differs from the loss its backward got: "
@@ -452,21 +542,30 @@ JOBS = {  # name: (title, recipe, overrides that make the job, data kind)
     "sft_lora": ("SFT with LoRA on prompt/completion conversations", "sft.yaml", ["sft.train_on=completion"], "sft"),
     "dpo_lora": ("DPO (sigmoid) with LoRA on preference pairs", "dpo.yaml", [], "dpo"),
     "grpo_lora": ("GRPO with LoRA on two-number sums (numeric and regex rewards)", "grpo.yaml", [], "grpo"),
+    "grpo_tools": ("GRPO with LoRA and a calculator tool on multiplications (numeric and regex rewards)",
+                   "grpo_tools.yaml", [], "grpo_tools"),
 }
+# Jobs whose model another recipe trains, with that recipe: not run by default.
+TRAINED_BY = {"grpo_tools": "recipes/sft_tools.yaml"}
 
 
-def write_data(folder: Path, train_rows: int, eval_rows: int) -> Dict[str, Dict[str, Path]]:
-    """The rows both sides read: the first ``train_rows`` rows for training, the next ``eval_rows`` for
-    evaluation; for SFT the pairs' prompt and chosen completion as prompt/completion conversations, for GRPO
-    the sums' prompts and answers (``assets/sums.jsonl``)."""
+def write_data(folder: Path, train_rows: int, eval_rows: int, kinds: Set[str]) -> Dict[str, Dict[str, Path]]:
+    """The rows both sides read, for the data ``kinds`` the jobs run: the first ``train_rows`` rows for training,
+    the next ``eval_rows`` for evaluation; for SFT the pairs' prompt and chosen completion as prompt/completion
+    conversations, for GRPO the sums' prompts and answers (``assets/sums.jsonl``), for GRPO with tools the
+    multiplications' (``assets/tool_prompts.jsonl``)."""
+    sources = (("sft", PAIRS, lambda r: {"prompt": r["prompt"], "completion": r["chosen"]}),
+               ("dpo", PAIRS, lambda r: r), ("grpo", SUMS, lambda r: r), ("grpo_tools", TOOL_PROMPTS, lambda r: r))
     files, read = {}, {}
-    for source in (PAIRS, SUMS):
+    for source in {source for kind, source, _ in sources if kind in kinds}:
         with source.open() as f:
             read[source] = [json.loads(line) for _, line in zip(range(train_rows + eval_rows), f)]
         if len(read[source]) < train_rows + eval_rows:
-            sys.exit(f"{source} has {len(read[source])} rows, fewer than --train-rows + --eval-rows")
-    for kind, source, convert in (("sft", PAIRS, lambda r: {"prompt": r["prompt"], "completion": r["chosen"]}),
-                                  ("dpo", PAIRS, lambda r: r), ("grpo", SUMS, lambda r: r)):
+            sys.exit(f"{source.relative_to(ROOT)} has {len(read[source])} rows, fewer than --train-rows + "
+                     f"--eval-rows ({train_rows + eval_rows})")
+    for kind, source, convert in sources:
+        if kind not in kinds:
+            continue
         files[kind], rows = {}, read[source]
         for split, part in (("train", rows[:train_rows]), ("eval", rows[train_rows:])):
             path = folder / f"{kind}_{split}.jsonl"
@@ -496,7 +595,9 @@ def run_job(bench, job: Job, rounds: int, warmup: bool, vary_seed: bool, base_se
 def main() -> None:
     _parent_imports()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)} (default all)")
+    parser.add_argument("--jobs", default=",".join(name for name in JOBS if name not in TRAINED_BY),
+                        help=f"comma-separated, of {', '.join(JOBS)} (default all but "
+                        f"{', '.join(TRAINED_BY)}, whose model another recipe trains)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
     parser.add_argument("--skip-steps", type=int, default=2,
                         help="the first steps, left out of steady tokens/s (default 2)")
@@ -524,6 +625,14 @@ def main() -> None:
         parser.error("--steps, --skip-steps, --rounds, --train-rows, --eval-rows and --threads must be at least 1")
     if any("=" not in override for override in args.overrides):
         parser.error("--set takes KEY=VALUE")
+    for name in [name for name in jobs if name in TRAINED_BY]:
+        _, recipe, job_overrides, _ = JOBS[name]
+        recipe = ROOT / "recipes" / recipe
+        model = load_config(recipe, job_overrides).model.name_or_path  # the recipe's own (--set may name another)
+        if load_config(recipe, [*job_overrides, *args.overrides]).model.name_or_path == model \
+                and not (ROOT / model).exists():
+            sys.exit(f"{name}: its model {model} does not exist: run `accelerate launch recipes/run.py --config "
+                     f"{TRAINED_BY[name]}` first, or pass --set model.name_or_path=...")
 
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -533,14 +642,15 @@ def main() -> None:
           f"Date: {started}. Machine: {info['cpu']}, {info['cores']} cores. Framework {info['framework_revision']}; "
           f"torch {info['torch']}, transformers {info['transformers']}, accelerate {info['accelerate']}, "
           f"peft {info['peft']}. fp32; {args.train_rows} train rows, {args.eval_rows} eval rows "
-          "(assets/rotten_tomatoes_pairs.jsonl; grpo_lora: assets/sums.jsonl). Tokens: non-padding tokens put "
+          "(assets/rotten_tomatoes_pairs.jsonl; grpo_lora: assets/sums.jsonl; grpo_tools: "
+          "assets/tool_prompts.jsonl). Tokens: non-padding tokens put "
           "through the model. Peak RSS: the child process's. Final train loss: the last step's.", flush=True)
     report = {"date": started, "machine": info, "rounds": args.rounds, "settings": vars(args),
               "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="compare_trl-") as tmp:
         work = Path(tmp)
         env["HF_HOME"] = str(work / "hf_home")  # a fresh datasets cache, filled by the warm-up runs
-        data = write_data(work, args.train_rows, args.eval_rows)
+        data = write_data(work, args.train_rows, args.eval_rows, {JOBS[name][3] for name in jobs})
         bench = Bench("cpu", work, env)
         for name in jobs:
             title, recipe, job_overrides, kind = JOBS[name]
