@@ -3,6 +3,7 @@ CLI runner. What the tests share that is not a fixture is in tests/helpers.py.""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -12,6 +13,19 @@ from helpers import (LAUNCHERS_RUN, NEGATIVE, NEUTRAL, POSITIVE, WORDS, cli_runn
                      preferences, review_conversations, synthetic_rows, tiny_args, toy_task_registered, write_csv,
                      write_jsonl)
 from in_process import run_main
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test (its fixtures torn down), what is still alive is frozen (``gc.freeze``), so that the cyclic
+    garbage collector's full collections walk only what later tests make. A test process runs hundreds of runs,
+    each ending with a full collection (accelerate's ``free_memory``) that walked everything the session had
+    accumulated (the modules the runs imported, the session's fixtures): 0.2 s each, 8.1 of the 49 s of
+    test_sft.py and test_report.py in one process. A frozen object freed later by its reference count is freed as
+    ever; one freed later only as part of a cycle (a module fixture's, say) stays, which a test process can afford."""
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture
