@@ -1,7 +1,7 @@
 """Post-training: the framework against TRL (SFTTrainer, DPOTrainer, GRPOTrainer), the same jobs side by side in
 one run.
 
-    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora,grpo_lora,grpo_tools] [--steps 10]
+    .venv/bin/python benchmarks/compare_trl.py [--jobs sft_full,sft_lora,dpo_lora,grpo_lora[,grpo_tools]] [--steps 10]
         [--rounds 3] [--skip-steps 2] [--train-rows 480] [--eval-rows 100] [--threads N]
         [--gradient-checkpointing defaults|off|on] [--fixed-seed] [--no-warmup] [--set KEY=VALUE ...]
         [--json results.json]

@@ -465,16 +465,19 @@ def environment(hf_home: Path, **extra: str) -> Dict[str, str]:
 
 # accelerate's launcher as a module: the same parser and launch_command as the ``accelerate launch`` command, without
 # the CLI's other subcommands, whose imports (transformers among them) cost 1.1 s of each launch (1.4 s against 2.5 s
-# for --help). The tests of the command as users type it (test_launch, test_end_to_end) run the command itself.
+# for --help, 3 runs each). The tests of the command as users type it (test_launch.py, test_end_to_end.py) run
+# ACCELERATE_COMMAND, the ``accelerate`` command itself.
 ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
+ACCELERATE_COMMAND = (str(Path(sys.executable).with_name("accelerate")), "launch")
 
 
-def launch_cmd(script: Path, launch: Optional[str], launch_args: Sequence[str] = ()) -> List[str]:
-    """``script`` under plain python (``launch`` None) or ``accelerate launch`` with accelerate_configs/LAUNCH."""
+def launch_cmd(script: Path, launch: Optional[str], launch_args: Sequence[str] = (),
+               launcher: Sequence[str] = ACCELERATE_LAUNCH) -> List[str]:
+    """``script`` under plain python (``launch`` None) or accelerate's ``launcher`` with
+    accelerate_configs/LAUNCH."""
     if launch is None:
         return [sys.executable, str(script)]
-    return [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "accelerate_configs" / launch), *launch_args,
-            str(script)]
+    return [*launcher, "--config_file", str(ROOT / "accelerate_configs" / launch), *launch_args, str(script)]
 
 
 def cli_runner(hf_home: Path):
@@ -483,8 +486,8 @@ def cli_runner(hf_home: Path):
     is this process's at the time of the call (a test's monkeypatched variables too)."""
 
     def run(args: List[str], launch: Optional[str] = None, check: bool = True, timeout: int = 600,
-            launch_args: Sequence[str] = (), script: Path = RUN):
-        cmd = launch_cmd(script, launch, launch_args) + list(args)
+            launch_args: Sequence[str] = (), script: Path = RUN, launcher: Sequence[str] = ACCELERATE_LAUNCH):
+        cmd = launch_cmd(script, launch, launch_args, launcher) + list(args)
         proc = subprocess.run(cmd, cwd=ROOT, env=environment(hf_home), capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

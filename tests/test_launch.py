@@ -12,13 +12,12 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, RUN, cores, summary, tiny_args
+from helpers import ACCELERATE_COMMAND, ROOT, RUN, cli_runner, cores, summary, tiny_args
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="assumes a machine without CUDA")
 # The launch configs for 8 GPUs are started with 2 processes here: the same launcher and the same code path
@@ -30,6 +29,13 @@ def plan_value(stdout: str, key: str) -> str:
     match = re.search(rf"^  {key}: (.*)$", stdout, re.MULTILINE)
     assert match, f"no {key} in the plan:\n{stdout}"
     return match.group(1)
+
+
+@pytest.fixture
+def cli(hf_home):
+    """The CLI runner through the ``accelerate launch`` command itself (the other tests' runner uses its module)."""
+    run = cli_runner(hf_home)
+    return lambda *args, **kwargs: run(*args, launcher=ACCELERATE_COMMAND, **kwargs)
 
 
 @pytest.fixture
@@ -86,7 +92,7 @@ def launch_plain(hf_home: Path, arguments: list) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     for name in ("ACCELERATE_CONFIG_FILE", "OMP_NUM_THREADS"):
         env.pop(name, None)
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", str(RUN), *arguments]
+    cmd = [*ACCELERATE_COMMAND, str(RUN), *arguments]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
