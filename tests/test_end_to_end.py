@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
+from helpers import ACCELERATE_COMMAND, REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
 from framework.recipe import load_config
 from in_process import run_main, train_ok
 
@@ -20,11 +20,10 @@ REFERENCE = REFERENCES / "tiny_text_classification.json"
 def tiny_run(tmp_path_factory, tiny_model, easy_data, hf_home):
     """One 3-epoch run shared by the assertions below."""
     import subprocess
-    import sys
 
     out = tmp_path_factory.mktemp("tiny_run") / "out"
     env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+    cmd = [*ACCELERATE_COMMAND, "--config_file",
            str(ROOT / "accelerate_configs" / "cpu.yaml"), str(RUN),
            *tiny_args(tiny_model, easy_data, out, "train.epochs=3", "report.enabled=true")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

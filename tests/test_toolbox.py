@@ -7,14 +7,13 @@ import importlib
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, TINY_RECIPE, checkpoint_states, read_metrics, tiny_args, train_losses
+from helpers import ACCELERATE_COMMAND, ROOT, TINY_RECIPE, checkpoint_states, read_metrics, tiny_args, train_losses
 from in_process import fresh_process, run_main
 
 
@@ -167,7 +166,7 @@ def test_optimizer_is_the_class_asked_for(tiny_model, easy_data, hf_home, tmp_pa
 @pytest.mark.multiprocess
 def test_local_sgd_syncs_every_k_steps_and_replicas_agree_after(hf_home, tiny_model, easy_data, tmp_path):
     out = tmp_path / "local_sgd"
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+    cmd = [*ACCELERATE_COMMAND, "--config_file",
            str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "scripts" / "local_sgd_probe.py"),
            *tiny_args(tiny_model, easy_data, out, "backend=cpu", "train.max_steps=12", "train.batch_size=4",
                       "distributed.local_sgd_steps=4")]
