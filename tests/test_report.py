@@ -321,6 +321,11 @@ def test_wandb_offline_logs_the_metrics_and_flat_hyperparameters(tiny_model, eas
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "out"
     assert run_main(tiny_args(tiny_model, easy_data, out, "train.max_steps=4", "report_to=[wandb]"), hf_home) == 0
+    # The run's service process writes the file; it outlives the run inside this process (a user's process ends and
+    # its atexit hook waits for it). Under load the history was not yet on disk when read: wait for the service.
+    import wandb
+
+    wandb.teardown()
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")  # inside output_dir
     records = _wandb_records(run_file)
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
