@@ -13,7 +13,7 @@ RUNS ?= runs
 TIMED = start=$$(date +%s); $(2); status=$$?; echo "$(1): $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
 
 .PHONY: install run test test-slow test-slow-cpu test-slow-xla test-cpu test-gpu install-xla test-xla bench fuzz faults ci \
-	test-xla-all test-cpu-llm test-slow-small test-slow-llm slurm ray gguf-llamacpp
+	ci-cpu-lane ci-xla-lane test-slow-small test-slow-llm slurm ray gguf-llamacpp
 
 install: $(VENV)/.installed assets/.ready
 
@@ -61,23 +61,29 @@ test:
 test-slow:
 	@$(SIDE_BY_SIDE) test-slow-cpu test-slow-xla
 
-# What CI runs (.ci/run): make test and make test-slow, each test once, packed for 2 cores in two lanes: the CPU
-# tier (whose tiny-model tests leave part of a core idle), then SmolLM2's recipes (marked llm); beside them the XLA
-# tier, its slow tests, then the CPU tier's slow tests that are not SmolLM2's. The recipes run mostly alone, after
-# the other lane, and without OMP_WAIT_POLICY=PASSIVE: alone, SmolLM2's decode steps took 1.3-1.5x as long with
-# their threads asleep at each barrier (benchmarks/generation.py, 2 alternated rounds); in CI each recipe 2-8%.
+# What CI runs (.ci/run): make test and make test-slow, each test once, packed for 2 cores. Two lanes side by side:
+# the CPU tier, then Ray's slow tests; the XLA tier, its slow tests, then the other small slow tests (SmolLM2's
+# recipes apart). Then SmolLM2's recipes (marked llm) alone, without OMP_WAIT_POLICY=PASSIVE: alone, SmolLM2's decode
+# steps took 1.3-1.5x as long with their threads asleep at each barrier (benchmarks/generation.py, 2 alternated
+# rounds); beside the small slow tests instead of alone, the recipes took 1,176-1,278 s in CI against 686 s alone,
+# and Ray's killed-run test 287 s against 33. Ray's tests end the CPU tier's lane because the other lane was
+# 300-500 s longer (a lane running alone leaves part of the cores idle: Ray's and Slurm's waits).
 ci:
-	@$(SIDE_BY_SIDE) test-cpu-llm test-xla-all
+	@$(SIDE_BY_SIDE) ci-cpu-lane ci-xla-lane
+	@$(MAKE) --no-print-directory test-slow-llm
 
-test-cpu-llm: test-cpu
-	@env -u OMP_WAIT_POLICY $(MAKE) --no-print-directory test-slow-llm
+ci-cpu-lane: test-cpu ray
+	@$(call TIMED,test-slow-small (Ray),$(BIN)/python -m pytest -m $(SLOW_SMALL_MARK) --durations=15 tests/test_ray.py)
 
-test-xla-all: test-xla
+ci-xla-lane: test-xla
 	@$(MAKE) --no-print-directory test-slow-xla
-	@$(MAKE) --no-print-directory test-slow-small
+	@$(MAKE) --no-print-directory test-slow-small SLOW_SMALL="tests --ignore=tests/test_ray.py"
 
+# The small slow tests (the slow ones but XLA's and SmolLM2's recipes) in SLOW_SMALL (make ci: all but Ray's).
+SLOW_SMALL_MARK = "slow and not xla and not llm"
+SLOW_SMALL = tests
 test-slow-small: install slurm ray
-	@$(call TIMED,test-slow-small,$(BIN)/python -m pytest -m "slow and not xla and not llm" --durations=15 tests)
+	@$(call TIMED,test-slow-small,$(BIN)/python -m pytest -m $(SLOW_SMALL_MARK) --durations=15 $(SLOW_SMALL))
 
 test-slow-llm: install
 	@$(call TIMED,test-slow-llm,$(BIN)/python -m pytest -m "slow and llm" --durations=15 tests)
@@ -103,9 +109,9 @@ slurm:
 # Ray Train (the extra .[ray], about 250 MB) for tests/test_ray.py: the Ray launcher on a local cluster.
 ray: $(VENV)/.ray
 
+# Under a lock: make ci's two lanes each ask for it.
 $(VENV)/.ray: $(VENV)/.installed
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,ray]'
-	touch $@
+	flock $(VENV)/.ray.lock sh -c '[ -e $@ ] || { $(BIN)/pip install -q -c constraints.txt -e ".[test,ray]" && touch $@; }'
 
 # The bad-input fuzzing harness (tests/test_fuzz_inputs.py) with a larger budget than make test's: FUZZ_EXAMPLES
 # random cases per test (make test runs a fixed, derandomized few hundred). About 0.1 s a recipe case, 0.5 s a
