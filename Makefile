@@ -65,7 +65,7 @@ test-slow:
 # the CPU tier, then Ray's slow tests; the XLA tier, its slow tests, then the other small slow tests (SmolLM2's
 # recipes apart). Then SmolLM2's recipes (marked llm) alone, without OMP_WAIT_POLICY=PASSIVE: alone, SmolLM2's decode
 # steps took 1.3-1.5x as long with their threads asleep at each barrier (benchmarks/generation.py, 2 alternated
-# rounds); beside the small slow tests instead of alone, the recipes took 1,176-1,278 s in CI against 686 s alone,
+# rounds); beside the small slow tests the recipes took 1,176-1,278 s in CI (alone 686-1,095 s, by the host's day),
 # and Ray's killed-run test 287 s against 33. Ray's tests end the CPU tier's lane because the other lane was
 # 300-500 s longer (a lane running alone leaves part of the cores idle: Ray's and Slurm's waits).
 ci:
