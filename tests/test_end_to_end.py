@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ACCELERATE_COMMAND, REFERENCES, ROOT, RUN, read_metrics, synthetic_rows, tiny_args, train_losses, write_csv
+from helpers import (ACCELERATE_COMMAND, REFERENCES, ROOT, RUN, launch_cmd, read_metrics, synthetic_rows, tiny_args,
+                     train_losses, write_csv)
 from framework.recipe import load_config
 from in_process import run_main, train_ok
 
@@ -23,8 +24,7 @@ def tiny_run(tmp_path_factory, tiny_model, easy_data, hf_home):
 
     out = tmp_path_factory.mktemp("tiny_run") / "out"
     env = {**os.environ, "HF_HOME": str(hf_home), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [*ACCELERATE_COMMAND, "--config_file",
-           str(ROOT / "accelerate_configs" / "cpu.yaml"), str(RUN),
+    cmd = [*launch_cmd(RUN, "cpu.yaml", launcher=ACCELERATE_COMMAND),
            *tiny_args(tiny_model, easy_data, out, "train.epochs=3", "report.enabled=true")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ACCELERATE_COMMAND, ROOT, TINY_RECIPE, checkpoint_states, read_metrics, tiny_args, train_losses
+from helpers import (ACCELERATE_COMMAND, ROOT, TINY_RECIPE, checkpoint_states, launch_cmd, read_metrics, tiny_args,
+                     train_losses)
 from in_process import fresh_process, run_main
 
 
@@ -166,8 +167,7 @@ def test_optimizer_is_the_class_asked_for(tiny_model, easy_data, hf_home, tmp_pa
 @pytest.mark.multiprocess
 def test_local_sgd_syncs_every_k_steps_and_replicas_agree_after(hf_home, tiny_model, easy_data, tmp_path):
     out = tmp_path / "local_sgd"
-    cmd = [*ACCELERATE_COMMAND, "--config_file",
-           str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "scripts" / "local_sgd_probe.py"),
+    cmd = [*launch_cmd(ROOT / "tests" / "scripts" / "local_sgd_probe.py", "cpu_ddp.yaml", launcher=ACCELERATE_COMMAND),
            *tiny_args(tiny_model, easy_data, out, "backend=cpu", "train.max_steps=12", "train.batch_size=4",
                       "distributed.local_sgd_steps=4")]
     proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, "HF_HOME": str(hf_home)},

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from helpers import (ACCELERATE_COMMAND, CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, STEADY_XLA, TINY_LM, WORDS,
                      assert_bitwise_equal_models, assert_no_graph_after_the_first_evaluation, assert_same_weights,
                      batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints, grads, grpo_args,
-                     lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments, targets_of,
-                     tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient)
+                     launch_cmd, lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments,
+                     targets_of, tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -139,8 +139,7 @@ def test_the_tpu_launch_config_trains_and_exits_non_zero_on_a_user_error(tiny_mo
     return value), here on one XLA CPU device: it trains, and a recipe error still ends with a non-zero exit."""
     env = {**os.environ, "HF_HOME": str(hf_home), "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
     env.pop("CPU_NUM_DEVICES", None)
-    launch = [*ACCELERATE_COMMAND, "--config_file",
-              str(ROOT / "accelerate_configs" / "tpu.yaml"), str(RUN)]
+    launch = launch_cmd(RUN, "tpu.yaml", launcher=ACCELERATE_COMMAND)
     out = tmp_path / "tpu"
     ok = subprocess.run(launch + tiny_args(tiny_model, easy_data, out, "train.max_steps=4", "train.log_every=2"),
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
