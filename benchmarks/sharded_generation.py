@@ -55,18 +55,15 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(accelerator.process_index))
     # a loader of the prompts too: DeepSpeed reads its micro-batch from one
     model, optimizer, _ = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(ids, batch_size=args.rows))
-    # The all-gathers: FSDP2's (all_gather_single in torch 2.13) and DeepSpeed's (all_gather_into_tensor), each
-    # looked up on torch.distributed at each call.
-    originals = {name: getattr(torch.distributed, name) for name in ("all_gather_single", "all_gather_into_tensor")}
+    # FSDP2's all-gathers (all_gather_single in torch 2.13, looked up on torch.distributed at each call). DeepSpeed's
+    # are not counted (none reached this one: its backend keeps the functions it found when it started, we infer).
+    all_gather = torch.distributed.all_gather_single
     gathers = []
 
-    def counted(original):
-        def gather(*a, **k):
-            gathers.append(1)
-            return original(*a, **k)
-        return gather
-    for name, original in originals.items():
-        setattr(torch.distributed, name, counted(original))
+    def counted(*a, **k):
+        gathers.append(1)
+        return all_gather(*a, **k)
+    torch.distributed.all_gather_single = counted
 
     def call(gather_once: bool):
         gathers.clear()
@@ -88,19 +85,19 @@ def main() -> None:
             s, n, out = call(side == "gathered once")
             seconds[side].append(s)
             tokens[side], counts[side] = out, n
-    for name, original in originals.items():
-        setattr(torch.distributed, name, original)
+    torch.distributed.all_gather_single = all_gather
     same = torch.equal(tokens["block by block"], tokens["gathered once"])
     if accelerator.is_main_process:
         generated = 2 * args.rows * args.tokens
         print(f"{cfg.model.name_or_path}: {backend.strategy_name(accelerator, backend.Mesh())} on 2 CPU processes, "
-              f"{args.rows} rows a process, prompts of {args.prompt} tokens, {args.tokens} new tokens, {args.rounds} rounds alternated; "
-              f"{torch.get_num_threads()} threads a process")
+              f"{args.rows} rows a process, prompts of {args.prompt} tokens, {args.tokens} new tokens, "
+              f"{args.rounds} rounds alternated; {torch.get_num_threads()} threads a process")
         for side, s in seconds.items():
             median = statistics.median(s)
+            gathered = "DeepSpeed's gathers not counted" if backend.is_zero3(accelerator) else \
+                f"{counts[side]} all-gathers a call"
             print(f"  {side}: {median:.2f} s a call ({', '.join(f'{x:.2f}' for x in s)}), "
-                  f"{generated / median:.1f} tokens/s, " + (f"{counts[side]} all-gathers a call" if counts[side] else
-                                                            "its gathers not counted (DeepSpeed's own calls)"))
+                  f"{generated / median:.1f} tokens/s, {gathered}")
         ratio = statistics.median(seconds["block by block"]) / statistics.median(seconds["gathered once"])
         print(f"  gathered once / block by block: {ratio:.2f}x the tokens/s; the same tokens: {same}")
     if not same:
