@@ -13,6 +13,9 @@ import datasets
 import pytest
 import torch
 
+from framework.data import load_splits
+from framework.recipe import load_config
+from framework.tasks import get_task
 from helpers import ROOT, TINY_LM, review_conversations, sft_args
 from in_process import run_captured, run_main
 
@@ -40,16 +43,12 @@ PROMPT_COMPLETION = [{"prompt": "The sky is", "completion": " blue."}, {"prompt"
 
 
 def sft_config(*overrides: str):
-    from framework.recipe import load_config
-
     return load_config(TINY_LM, ["task=sft", f"model.tokenizer={GPT2}", "data.train_file=unused.jsonl",
                                  "data.packing=false", "data.block_size=256", "model.config.n_positions=256", *overrides])
 
 
 def ours(cfg, rows, model=None):
     """(model, features, batch, loss per target) through the task's own load (or ``model``), prepare and collator."""
-    from framework.tasks import get_task
-
     task = get_task("sft")
     loaded, tokenizer = task.load(cfg, None, None)
     model = (model or loaded).eval()
@@ -151,8 +150,6 @@ def test_packed_conversations_equal_one_per_row():
     _, blocks, blocks_batch, packed_loss = ours(cfg, rows, model)
     assert len(blocks) < len(rows_features) and "position_ids" in blocks_batch
     torch.testing.assert_close(packed_loss, rows_loss, rtol=1e-5, atol=1e-6)
-    from framework.tasks import get_task
-
     run = get_task("sft").bind(cfg, model, None)
     with torch.no_grad():
         packed = run.eval_outputs(model, blocks_batch)
@@ -198,6 +195,15 @@ def test_sft_trains_and_its_pipeline_answers_in_chatml(chat_data, hf_home, tmp_p
     review = [{"role": "user", "content": "the plot was quite dull"}]
     answer = generate(review, max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]
     assert answer["role"] == "assistant" and answer["content"] in ("positive", "negative"), answer
+    # answer_accuracy (every answer token the argmax given the conversation) is the share of held-out
+    # conversations whose greedy reply through pipeline() is the answer and nothing else: the sft recipe's test
+    # (tests/test_post_training_recipes.py) reads its held-out accuracy from it instead of generating again.
+    cfg = load_config(TINY_LM, sft_args(chat_data, out)[2:])
+    task = get_task("sft")
+    held_out = load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).eval["messages"]
+    replies = generate([c[:-1] for c in held_out], max_new_tokens=4, do_sample=False)
+    exact = [r[0]["generated_text"][-1]["content"].strip() == c[-1]["content"] for r, c in zip(replies, held_out)]
+    assert len(exact) == e["answers"] and e["answer_accuracy"] == sum(exact) / len(exact), (e, exact)
 
     # model/ is a pretrained chat model now: LoRA on it, its saved template (no data.chat_template), streamed rows.
     tokenizer, data = chat_data
