@@ -330,7 +330,8 @@ def online_rl_on_cpu(tmp_path_factory, cli_module, pair_tokenizer, pair_data):
 
 @pytest.mark.parametrize("task,devices", [("grpo", 1),
                                           pytest.param("grpo", 4, marks=pytest.mark.slow),  # SPMD: make test-slow
-                                          pytest.param("rloo", 1, marks=pytest.mark.slow)])
+                                          pytest.param("rloo", 1, marks=pytest.mark.slow),
+                                          pytest.param("rloo", 4, marks=pytest.mark.slow)])
 def test_online_rl_on_xla_trains_what_the_cpu_trains(task, devices, online_rl_on_cpu, cli, pair_tokenizer, pair_data,
                                                      tmp_path, monkeypatch):
     """One XLA device, or SPMD over 4 (one prompt each), against one CPU process with the same 4 prompts a step:
