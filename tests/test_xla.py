@@ -261,7 +261,10 @@ def test_causal_lm_on_xla_matches_the_cpu_and_compiles_a_bounded_number_of_graph
 
 
 @pytest.mark.slow  # make test-slow: SPMD itself is in the tier (test_spmd_over_four_devices_equals_one_device)
-def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monkeypatch):
+def test_causal_lm_spmd_and_xla_fsdp_over_four_devices_equal_one_device(cli, tmp_path, monkeypatch):
+    """The tiny GPT-2 (its output layer tied to the embedding) with the batch over 4 devices, and with its weights
+    sharded over them too: the losses of one device; xla_fsdp's model/ holds the tied matrix once, as one device's
+    does (the host copies assembled from the shards are separate tensors: their second name left out)."""
     from framework.testing import save_word_tokenizer
 
     tokenizer = save_word_tokenizer(tmp_path / "tokenizer", WORDS)
@@ -274,6 +277,11 @@ def test_causal_lm_spmd_over_four_devices_equals_one_device(cli, tmp_path, monke
     cli(lm_args(tokenizer, corpus, spmd, "backend=auto", *common, "train.batch_size=2", "distributed.strategy=xla_spmd"))
     torch.testing.assert_close(torch.tensor(train_losses(spmd)), torch.tensor(train_losses(single)), rtol=1e-5, atol=1e-6)
     assert summary(spmd)["eval"]["tokens"] == summary(single)["eval"]["tokens"]
+    fsdp = tmp_path / "fsdp"
+    cli(lm_args(tokenizer, corpus, fsdp, "backend=auto", *common, "train.batch_size=2", "distributed.strategy=xla_fsdp"))
+    torch.testing.assert_close(torch.tensor(train_losses(fsdp)), torch.tensor(train_losses(single)), rtol=1e-5, atol=1e-6)
+    assert "lm_head.weight" not in weights(single)
+    assert_same_weights(fsdp, single, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow  # make test-slow, with the other variants of a run the tier checks

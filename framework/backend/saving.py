@@ -21,7 +21,8 @@ def state_dict_for_save(accelerator: Accelerator, model: torch.nn.Module,
     XLA tensors must come to the host before safetensors can write them (sharded ones assembled from their
     shards)."""
     if mesh.shard_parameters:
-        return mesh.state_dict(accelerator.unwrap_model(model))
+        inner = accelerator.unwrap_model(model)
+        return _without_tied_copies(inner, mesh.state_dict(inner))
     state_dict = accelerator.get_state_dict(model)
     if on_xla(accelerator):  # each tensor its own host copy: tied weights are no longer one tensor
         state_dict = {name: tensor.cpu() for name, tensor in state_dict.items()}
@@ -67,10 +68,12 @@ def gather_for_metrics(accelerator: Accelerator, outputs: Dict[str, torch.Tensor
 def _without_tied_copies(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The state dict without the second name of a tied weight (GPT-2's lm_head.weight, the embedding's). FSDP2,
     tensor parallelism and DeepSpeed gather each name into its own tensor, so save_pretrained, which finds ties by shared
-    storage, wrote both (a model/ that differed from DDP's by a redundant copy of the embedding)."""
+    storage, wrote both (a model/ that differed from DDP's by a redundant copy of the embedding); xla_fsdp's host
+    copies too."""
     first: Dict[int, str] = {}
     copies = set()
     for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace(xla_spmd.PREFIX, "")  # under xla_fsdp, the names without the wrappers'
         if first.setdefault(id(p), name) != name:
             copies.add(name)
     return {name: tensor for name, tensor in state_dict.items() if name not in copies}
