@@ -190,9 +190,9 @@ def setup(cfg: RunConfig) -> Run:
         "notes": (notes + backend.notes(cfg, accelerator) + start.notes + data.notes(declared)
                   + ([] if peak else [f"mfu: {peak_source}"])),
     }
-    # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation, and the
-    # task's own (online RL's generation).
-    expected_graphs = len(data.buckets or []) + 4 + task.compiled_graphs
+    # Expected XLA graphs: a train step per bucket, the first step (optimizer state creation), evaluation, the
+    # task's own (online RL's generation) and the sharding's.
+    expected_graphs = len(data.buckets or []) + 4 + task.compiled_graphs + mesh.extra_graphs
     return Run(cfg=cfg, accelerator=accelerator, mesh=mesh, model=model, tokenizer=tokenizer, task=task, data=data,
                train_step=train_step, update=update, total_steps=total_steps, start=start, plan=plan,
                memory_plan=memory_plan, model_flops=model_flops, peak_flops=peak * replicas if peak else None,

@@ -590,18 +590,6 @@ def test_a_generation_larger_than_the_device_is_refused_by_key(hf_home, pair_tok
            "train.batch_size" in line
 
 
-def test_xla_fsdp_is_refused_by_task(hf_home, pair_tokenizer, pair_data, tmp_path, monkeypatch):
-    """On XLA the step generates on the device, but not yet on a model xla_fsdp shards: refused before anything
-    loads (tests/test_xla.py trains one device and xla_spmd)."""
-    from framework.backend import selection
-
-    monkeypatch.setattr(selection, "has_xla", lambda: True)
-    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", "backend=xla",
-                                  "distributed.strategy=xla_fsdp"), hf_home)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "task: grpo does not run under distributed.strategy=xla_fsdp yet" in proc.stderr
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_tiny_model_learns_to_answer(hf_home, pair_tokenizer, pair_data, tmp_path, seed):
     """The prompts end with a sentiment word; the reward is 1 for answering its verdict ('fresh' or 'rotten': one

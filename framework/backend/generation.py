@@ -33,11 +33,11 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
     sharded as it was, in its training mode), so training can go on bitwise as if nothing had been generated.
 
     - XLA, ``static_shapes`` (the caller generates with fixed shapes: online RL's generator): the model itself, on
-      its device (under xla_spmd replicated on every device).
+      its device (under xla_spmd replicated on every device; under xla_fsdp sharded, each wrapped block's weights
+      gathered by the compiled graph as in training).
     - XLA otherwise: a copy on the host CPU. Generating token by token makes a new shape, so a new compiled graph,
       per token (minutes even for a tiny model); moving the model itself there and back would make new parameter
-      objects, leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards (always: the
-      wrapped model runs only sharded).
+      objects, leaving the optimizer's behind. Under xla_fsdp the copy is assembled from the shards.
     - FSDP2: ``generate`` registered as a forward of the root (torch's ``register_fsdp_forward_method``), so that
       it gathers the weights the root holds outside the wrapped blocks (embeddings, final norm) and reshards them
       after, as the root's forward does: a peft model's ``generate()`` bypasses that forward (it calls the inner
@@ -52,7 +52,7 @@ def generating(accelerator: Accelerator, model: torch.nn.Module, mesh: xla_spmd.
       (``_zero3_gathered``, TRL's ``unwrap_model_for_generation``).
     - Tensor parallelism, DDP, one process: the model itself (without accelerate's wrappers).
     Every process must enter it: sharded models gather collectively."""
-    if mesh.shard_parameters:
+    if mesh.shard_parameters and not static_shapes:
         yield mesh.host_model(accelerator.unwrap_model(model))
         return
     inner = unwrap(accelerator, model, mesh)

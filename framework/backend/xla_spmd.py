@@ -45,6 +45,12 @@ class Mesh:
         """How many ways each parameter (and its gradient and optimizer state) is split."""
         return self.fsdp if self.shard_parameters else 1
 
+    @property
+    def extra_graphs(self) -> int:
+        """Compiled graphs the sharding adds to a run's (the compile watch's expectation): xla_fsdp compiles up to
+        2 more than one device (measured: the classifier's runs, online RL's, none after the first evaluation)."""
+        return 2 if self.shard_parameters else 0
+
     def describe(self) -> Optional[str]:
         if self.xla_mesh is None:
             return None

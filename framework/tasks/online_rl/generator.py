@@ -102,14 +102,18 @@ class Generator:
     take ``prompt_slots`` slots (default: their bucket), the distinct prompts are padded to a power of two, stopped
     rows are masked, and each decode step is the same computation on the device (``sync`` ends it: XLA's
     ``torch_xla.sync``, so that every step is one graph, compiled once); the host reads the stop flags every
-    ``check_every`` steps, and the tokens once, at the end."""
+    ``check_every`` steps, and the tokens once, at the end (``host``: a tensor to a host array or list, where
+    ``.cpu()`` would not do; under xla_fsdp the tokens are sharded like the model's outputs, and a sharded tensor's
+    ``.cpu()`` compiles a graph every time)."""
 
     def __init__(self, compile: Optional[str] = None, static: bool = False, prompt_slots: Optional[int] = None,
-                 check_every: int = CHECK_EVERY, sync: Optional[Callable[[], None]] = None):
+                 check_every: int = CHECK_EVERY, sync: Optional[Callable[[], None]] = None,
+                 host: Optional[Callable[[torch.Tensor], object]] = None):
         self.compiled = compile is not None
         self.step = torch.compile(next_logits, backend=compile, dynamic=False) if compile else next_logits
         self.static, self.prompt_slots, self.check_every = static, prompt_slots, check_every
         self.sync = sync or (lambda: None)
+        self.host = host or (lambda tensor: tensor.cpu())
         self.timings = Timings()
 
     def __call__(self, model: torch.nn.Module, prompts: List[List[int]], seeds: Sequence[int], sampling: Sampling,
@@ -219,8 +223,8 @@ class Generator:
             steps += 1
             if steps % self.check_every == 0 and steps < new and bool(finished.item()):
                 break
-        rows_out = tokens_out.cpu().tolist()
-        recorded = logps_out.cpu().tolist() if logps_out is not None else None
+        rows_out = self.host(tokens_out).tolist()
+        recorded = self.host(logps_out).tolist() if logps_out is not None else None
         self.timings.decode, self.timings.steps = time.perf_counter() - start, steps
         completions = [self._cut(row[:steps], set(sampling.stop_ids), stop_sequences) for row in rows_out]
         return Generated(completions, [r[:len(c)] for r, c in zip(recorded, completions)] if recorded else None)

@@ -153,9 +153,6 @@ class OnlineRL(CausalLM):
             problems.append(f"{key}.generation_steps: {g.generation_steps} optimizer steps cannot share the "
                             f"generation's {accumulation} micro-batches (train.gradient_accumulation_steps) equally; "
                             "make it divide them")
-        if strategy.name == "xla_fsdp":
-            problems.append(f"task: {self.name} does not run under distributed.strategy=xla_fsdp yet (its generation "
-                            "on the sharded model is not built); use xla_spmd, or one XLA device")
         if g.dynamic_sampling and cfg.data.streaming:
             problems.append(f"{key}.dynamic_sampling: draws replacement prompts from the training set, which a stream "
                             "cannot give; set data.streaming=false or remove the key")
@@ -254,7 +251,8 @@ class OnlineRun(LanguageRun):
             self.generator = None
         elif static:  # each decode step one graph: run_pending ends it
             self.generator = generator.Generator(static=True, prompt_slots=cfg.data.max_length,
-                                                 sync=lambda: backend.run_pending(accelerator))
+                                                 sync=lambda: backend.run_pending(accelerator),
+                                                 host=lambda tensor: backend.to_host(accelerator, [tensor])[0])
         else:
             self.generator = generator.Generator()
         # The step's prefill and decode step, evaluation's (its rows, greedy), the no-grad log-probabilities' pass.
