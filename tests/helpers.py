@@ -25,8 +25,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.data import load_splits
 from framework.losses import IGNORE
-from framework.tasks import registered
+from framework.tasks import get_task, registered
 from in_process import run_captured
 
 TESTS = Path(__file__).resolve().parent
@@ -55,6 +56,13 @@ POSITIVE = ["good", "great", "superb", "fine", "lovely"]
 NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
 NEUTRAL = ["the", "movie", "was", "a", "plot", "actor", "scene", "film", "story", "and", "with", "very",
            "quite", "this", "that", "it", "had", "some", "music", "ending"]
+
+
+def run_splits(cfg):
+    """The (train, eval) rows a run of the loaded recipe ``cfg`` trains and evaluates on, split as the run splits
+    them (``framework.data.load_splits`` with its task's columns and row filter)."""
+    task = get_task(cfg.task)
+    return load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg))
 
 
 def synthetic_rows(n: int, seed: int) -> List[dict]:

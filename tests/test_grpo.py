@@ -721,11 +721,9 @@ def test_dynamic_sampling_replaces_flat_groups_whatever_the_split(hf_home, pair_
     those calls say; every replacement is a training prompt; the first step samples first what a run without
     dynamic sampling samples; 1 process, accumulation (2 x 2), 2 processes and FSDP2 on 2 log the same figures and
     end with the same weights (the contract's bounds); a run killed mid-way resumes to the same weights, bitwise."""
-    from helpers import assert_bitwise_equal_models, crash_then_resume, runs_in_one_launch
+    from helpers import assert_bitwise_equal_models, crash_then_resume, run_splits, runs_in_one_launch
 
-    from framework.data import load_splits
     from framework.recipe import load_config
-    from framework.tasks import get_task
 
     record = tmp_path / "record"
     monkeypatch.setenv("GRPO_RECORD", str(record))
@@ -735,8 +733,7 @@ def test_dynamic_sampling_replaces_flat_groups_whatever_the_split(hf_home, pair_
     logged = [r for r in read_metrics(one) if "loss" in r]
     calls = iter(scored_calls(record))
     cfg = load_config(TINY_GRPO, grpo_args(pair_tokenizer, pair_data, one, *DYNAMIC)[2:])
-    task = get_task(cfg.task)
-    training = set(load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).train["prompt"])
+    training = set(run_splits(cfg).train["prompt"])
     for step in logged:
         first = next(calls)
         groups = [first[i:i + 4] for i in range(0, 16, 4)]

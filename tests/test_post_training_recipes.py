@@ -29,10 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REFERENCES, ROOT, cli_runner
+from helpers import REFERENCES, ROOT, cli_runner, run_splits
 from framework.recipe import load_config
-from framework.data import load_splits
-from framework.tasks import get_task
 
 SFT, DPO, CAUSAL_LM, GRPO = (ROOT / "recipes" / f"{name}.yaml" for name in ("sft", "dpo", "causal_lm", "grpo"))
 CHAT_MODEL = ROOT / "assets" / "SmolLM2-135M-Instruct"
@@ -46,8 +44,7 @@ def held_out(recipe: Path, *overrides: str):
     """The eval rows of ``recipe``, split by the framework: (prompts as conversations, their right answers) for
     sft, dpo and grpo, the texts for causal_lm."""
     cfg = load_config(recipe, list(overrides))
-    task = get_task(cfg.task)
-    rows = load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).eval
+    rows = run_splits(cfg).eval
     if cfg.task == "sft":
         return [r[:-1] for r in rows["messages"]], [r[-1]["content"] for r in rows["messages"]]
     if cfg.task == "dpo":

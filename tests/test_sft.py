@@ -13,10 +13,9 @@ import datasets
 import pytest
 import torch
 
-from framework.data import load_splits
 from framework.recipe import load_config
 from framework.tasks import get_task
-from helpers import ROOT, TINY_LM, review_conversations, sft_args
+from helpers import ROOT, TINY_LM, review_conversations, run_splits, sft_args
 from in_process import run_captured, run_main
 
 GPT2 = ROOT / "assets" / "gpt2-tokenizer"
@@ -198,9 +197,7 @@ def test_sft_trains_and_its_pipeline_answers_in_chatml(chat_data, hf_home, tmp_p
     # answer_accuracy (every answer token the argmax given the conversation) is the share of held-out
     # conversations whose greedy reply through pipeline() is the answer and nothing else: the sft recipe's test
     # (tests/test_post_training_recipes.py) reads its held-out accuracy from it instead of generating again.
-    cfg = load_config(TINY_LM, sft_args(chat_data, out)[2:])
-    task = get_task("sft")
-    held_out = load_splits(cfg.data, cfg.seed, task.columns(cfg), task.keep_row(cfg)).eval["messages"]
+    held_out = run_splits(load_config(TINY_LM, sft_args(chat_data, out)[2:])).eval["messages"]
     replies = generate([c[:-1] for c in held_out], max_new_tokens=4, do_sample=False)
     exact = [r[0]["generated_text"][-1]["content"].strip() == c[-1]["content"] for r, c in zip(replies, held_out)]
     assert len(exact) == e["answers"] and e["answer_accuracy"] == sum(exact) / len(exact), (e, exact)

@@ -367,7 +367,8 @@ def test_online_rl_on_xla_trains_what_the_cpu_trains(task, strategy, online_rl_o
     compiles, xla = training_figures(out, ("xla/compiles",)), summary(out)["xla"]
     on_cpu = weights(cpu)
     worst = max(float((w - on_cpu[name]).abs().max()) for name, w in weights(out).items())
-    print(f"{task} on {devices} device(s) ({strategy or 'one device'}): compiles by step {[c for (c,) in compiles.values()]}, in all "
+    print(f"{task} on {devices} device(s) ({strategy or 'one device'}): compiles by step "
+          f"{[c for (c,) in compiles.values()]}, in all "
           f"{xla['compiles']} ({xla['compile_seconds']:.0f} s); transfers in steps {xla['transfers_in_steps']}; "
           f"weights at most {worst:.1e} from the CPU's; wall {summary(out)['train']['wall_seconds']:.1f} s "
           f"(CPU {summary(cpu)['train']['wall_seconds']:.1f} s)")
