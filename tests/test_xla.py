@@ -377,6 +377,23 @@ def test_online_rl_on_xla_trains_what_the_cpu_trains(task, strategy, online_rl_o
     assert xla["compiles"] <= (14 if strategy == "xla_fsdp" else 12) and xla["warning"] is None, xla
 
 
+@pytest.mark.slow  # make test-slow, with the online-RL variants above
+def test_online_rl_under_xla_fsdp_resumes_after_a_kill_to_the_uninterrupted_run(cli, pair_tokenizer, pair_data,
+                                                                               hf_home, tmp_path, monkeypatch):
+    """GRPO under xla_fsdp over 4 devices, checkpointed every 2 steps and killed in step 5: resumed from step 4, it
+    logs the uninterrupted run's rewards at every step and ends with its weights, bitwise."""
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    common = [*ONLINE_RL, "backend=xla", "train.batch_size=1", "distributed.strategy=xla_fsdp",
+              "checkpoint.every_steps=2"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    cli(grpo_args(pair_tokenizer, pair_data, full, *common))
+    resumed = crash_then_resume(hf_home, grpo_args(pair_tokenizer, pair_data, cut, *common), kill_at_micro=5,
+                                in_process=False)
+    assert f"resuming from {cut}/checkpoints/step_4: step 4" in resumed.stdout
+    assert training_figures(cut, ("reward",)) == training_figures(full, ("reward",))
+    assert_same_weights(cut, full, rtol=0, atol=0)
+
+
 def test_the_generator_on_an_xla_device_draws_what_it_draws_on_the_cpu():
     """framework/tasks/online_rl/generator.py with fixed shapes on the XLA device (tests/test_generator.py's tiny
     Llama, prompts and seeds; its keyed noise drawn on the host), with the mask builders a run on XLA registers
