@@ -782,15 +782,9 @@ def test_dynamic_sampling_replaces_flat_groups_whatever_the_split(hf_home, pair_
     assert_bitwise_equal_models(one, resumed)
 
 
-@pytest.mark.parametrize("where,expected", [
-    ((*STREAM,), "grpo.dynamic_sampling: draws replacement prompts from the training set, which a stream cannot give"),
-    (("backend=xla",), "grpo.dynamic_sampling: does not run on XLA yet")], ids=["stream", "xla"])
-def test_dynamic_sampling_where_it_cannot_run_is_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path,
-                                                                monkeypatch, where, expected):
-    from framework.backend import selection
-
-    monkeypatch.setattr(selection, "has_xla", lambda: True)
-    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", *where, "grpo.dynamic_sampling=2"),
+def test_dynamic_sampling_on_a_stream_is_refused_by_key(hf_home, pair_tokenizer, pair_data, tmp_path):
+    proc = run_captured(grpo_args(pair_tokenizer, pair_data, tmp_path / "out", *STREAM, "grpo.dynamic_sampling=2"),
                         hf_home)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert expected in proc.stderr
+    assert "grpo.dynamic_sampling: draws replacement prompts from the training set, which a stream cannot give" \
+        in proc.stderr

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ACCELERATE_COMMAND, CHUNK, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, STEADY_XLA, TINY_LM, WORDS,
-                     assert_bitwise_equal_models, assert_no_graph_after_the_first_evaluation, assert_same_weights,
-                     batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints, grads, grpo_args,
-                     launch_cmd, lm_args, packed_batch, read_metrics, review_conversations, rloo_args, segments,
-                     targets_of, tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient)
+from helpers import (ACCELERATE_COMMAND, CHUNK, GRPO_REWARDS, NEGATIVE, NEUTRAL, POSITIVE, ROOT, RUN, STEADY_XLA,
+                     TINY_LM, WORDS, assert_bitwise_equal_models, assert_no_graph_after_the_first_evaluation,
+                     assert_same_weights, batch, build, cli_runner, crash_then_resume, documents, finite_checkpoints,
+                     grads, grpo_args, launch_cmd, lm_args, packed_batch, read_metrics, review_conversations, rloo_args,
+                     segments, targets_of, tiny_args, tiny_causal_lm, train_losses, weights, worst_gradient)
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: run `make test-xla`")
 pytestmark = pytest.mark.xla
@@ -375,6 +375,28 @@ def test_online_rl_on_xla_trains_what_the_cpu_trains(task, strategy, online_rl_o
     assert len({compiles[step] for step in range(5, 9)}) == 1, compiles  # none after step 4
     # xla_fsdp: two graphs more (13 by step 8, 14 with the final save's check), none after step 4 either.
     assert xla["compiles"] <= (14 if strategy == "xla_fsdp" else 12) and xla["warning"] is None, xla
+
+
+@pytest.mark.slow  # make test-slow, with the online-RL variants above
+def test_dynamic_sampling_on_xla_replaces_the_groups_the_cpu_replaces(cli, pair_tokenizer, pair_data, tmp_path):
+    """grpo.dynamic_sampling=3 with tests/test_grpo.py's reward, flat for every 'rotten' prompt, on one XLA device
+    against one CPU process: every step's rewards, completion lengths and dynamic-sampling figures equal, the same
+    weights within the XLA tolerances; each round samples as many groups as the step, so the rounds compile no
+    graph of their own (none after step 4, as without dynamic sampling)."""
+    dynamic = [f"grpo.reward_functions=[{GRPO_REWARDS}:characters_when_fresh]", "grpo.dynamic_sampling=3", *ONLINE_RL]
+    cpu, xla = tmp_path / "cpu", tmp_path / "xla"
+    cli(grpo_args(pair_tokenizer, pair_data, cpu, *dynamic, "backend=cpu"))
+    cli(grpo_args(pair_tokenizer, pair_data, xla, *dynamic, "backend=xla"))
+    keys = (*SAME_DRAWS, "dynamic_sampling/replacements", "dynamic_sampling/rounds", "dynamic_sampling/flat_first")
+    expected = training_figures(cpu, keys)
+    assert len(expected) == 8 and sum(v[len(SAME_DRAWS)] for v in expected.values()) > 0  # groups replaced
+    assert training_figures(xla, keys) == expected
+    assert_same_weights(xla, cpu, rtol=1e-4, atol=1e-5)
+    compiles, stats = training_figures(xla, ("xla/compiles",)), summary(xla)["xla"]
+    print(f"dynamic sampling on XLA: replacements by step {[v[len(SAME_DRAWS)] for v in expected.values()]}, "
+          f"compiles by step {[c for (c,) in compiles.values()]}, in all {stats['compiles']}")
+    assert len({compiles[step] for step in range(5, 9)}) == 1, compiles
+    assert stats["compiles"] <= 12 and stats["warning"] is None, stats
 
 
 @pytest.mark.slow  # make test-slow, with the online-RL variants above

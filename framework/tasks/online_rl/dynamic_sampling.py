@@ -8,7 +8,9 @@ round r and its completions' sampling seeds are keyed by (the run's seed, the ep
 ends with depends neither on the process holding it nor on the process count or the accumulation. The processes
 agree whether another round runs (a flat group anywhere); a process with none samples its first group again and
 drops it, so that the collectives of sharded generation and of the reward functions meet. The replacements are drawn
-beside the data order, not from it: the epoch's order and a resume's position are as without them.
+beside the data order, not from it: the epoch's order and a resume's position are as without them. On XLA (fixed
+shapes) every round samples as many groups as the step did, the groups not replaced drawing their own replacements,
+which are dropped: the round generates in the step's compiled graphs instead of a new shape per count.
 
 The anchors: verl's ``algorithm.filter_groups`` (DAPO's reference code) fills the batch with the next prompts of the
 data order instead, on its one controller; TRL has none (its issue #3708)."""
@@ -55,9 +57,11 @@ def resample(run: OnlineRun, model: torch.nn.Module, accelerator, pool: datasets
     replaced = torch.zeros(len(slots))
     for round_ in range(1, rounds + 1):
         pending = flat.nonzero().flatten().tolist()
-        if backend.read_scalar(accelerator, torch.tensor(float(len(pending)), device=accelerator.device), "sum") == 0:
+        if not backend.any_process(accelerator, bool(pending))[0]:  # one process: no device value (on XLA a graph)
             break
         drawn = pending or [0]  # nothing flat here: the first group again, dropped, so the collectives meet
+        if run.static_generation:  # XLA: as many groups as the step sampled, in the graphs it compiled
+            drawn = drawn + [s for s in range(len(slots)) if s not in drawn]  # their own replacements, dropped
         features = [pool[replacement(run.seed, *slots[s], round_, len(pool))] for s in drawn]
         prompts = [f[PROMPT_IDS] for f in features for _ in range(group)]
         # Five numbers: apart from every ordinary draw's four (rollout.generation_batch).

@@ -156,9 +156,6 @@ class OnlineRL(CausalLM):
         if g.dynamic_sampling and cfg.data.streaming:
             problems.append(f"{key}.dynamic_sampling: draws replacement prompts from the training set, which a stream "
                             "cannot give; set data.streaming=false or remove the key")
-        if g.dynamic_sampling and strategy.xla:
-            problems.append(f"{key}.dynamic_sampling: does not run on XLA yet (each round samples a new number of "
-                            "rows, a new shape); use backend=cpu or gpu, or remove the key")
         if (g.tools or g.environment) and strategy.shards_parameters:
             problems.append(f"{key}.tools: tools and environments do not run under FSDP or DeepSpeed yet (each "
                             "process's rollouts take their own number of turns, and a sharded model generates in "
