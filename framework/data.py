@@ -117,8 +117,23 @@ def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = Fa
     try:
         return datasets.load_dataset(builder, data_files={"data": paths}, split="data", streaming=streaming, **kwargs)
     except Exception as e:  # a malformed file fails deep inside pyarrow/pandas with many error types
+        if all(_holds_no_rows(path, builder, key) for path in paths):
+            raise UserError(f"{key}: {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} holds no rows (an "
+                            "empty file, a header alone or an empty JSON list); give at least one example") from None
         raise UserError(f"{key}: cannot read {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} as "
                         f"{builder}: {root_cause(e)}") from None
+
+
+def _holds_no_rows(path: str, builder: str, key: str) -> bool:
+    """Whether a file the datasets builder could not read is empty of examples: nothing but blank lines, a table's
+    header alone, or an empty JSON list."""
+    with _text_file(path, key) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    if builder == "csv":
+        return len(lines) <= 1
+    if builder == "json":
+        return "".join(lines).replace(" ", "") in ("", "[]")
+    return not lines
 
 
 @contextmanager

@@ -107,4 +107,15 @@ def split(effective: int, replicas: int, cfg, problems: Callable[[object], List[
                     f"examples per optimizer step, which {replicas} data-parallel replica(s) cannot split into whole "
                     f"micro-batches of at most {t.batch_size} (train.batch_size)"
                     + (" of that size (data.group_by_length)" if cfg.data.group_by_length else "") + because
-                    + f"; launch a process count whose replicas divide {effective}, or choose a new output_dir=...")
+                    + f"; {_fitting_counts(effective, t.batch_size if cfg.data.group_by_length else 1)}, or choose a "
+                    "new output_dir=...")
+
+
+def _fitting_counts(effective: int, batch: int) -> str:
+    """The data-parallel replica counts that can continue an effective batch of ``effective`` in whole micro-batches
+    of ``batch`` (1: any size), said as advice."""
+    batches = effective // batch if effective % batch == 0 else 0
+    counts = [str(n) for n in range(1, batches + 1) if batches % n == 0]
+    if not counts:
+        return f"no replica count can: its effective batch is not a multiple of train.batch_size {batch}"
+    return f"launch {', '.join(counts[:8])}{' ...' if len(counts) > 8 else ''} data-parallel replica(s)"

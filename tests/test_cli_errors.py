@@ -47,6 +47,15 @@ def test_unknown_data_format(capsys, args, tmp_path):
     assert "cannot tell the format" in fails(capsys, args(f"data.train_file={tmp_path / 'data.xlsx'}"))
 
 
+@pytest.mark.parametrize("name,content", [("header.csv", "text,label\n"), ("empty.jsonl", ""),
+                                          ("list.json", "[]\n"), ("blank.txt", "\n\n")])
+def test_a_data_file_without_rows_is_named_so(capsys, args, tmp_path, name, content):
+    """A file of no examples, in any format, is one sentence, not the datasets builder's internals."""
+    (tmp_path / name).write_text(content)
+    err = fails(capsys, args(f"data.train_file={tmp_path / name}"))
+    assert f"data.train_file: {tmp_path / name} holds no rows" in err and "give at least one example" in err
+
+
 def test_column_not_in_data_names_the_columns(capsys, args):
     err = fails(capsys, args("data.text_column=review"))
     assert "data.text_column: column 'review' is not in" in err and "its columns are text, label" in err

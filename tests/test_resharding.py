@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_runner, grpo_args, lm_args, losses_by_step, read_metrics, summary, weights
+from helpers import ROOT, cli_runner, grpo_args, lm_args, losses_by_step, read_metrics, summary, weights
 from in_process import run_captured
 from sharding import COMMON, CUDA, DDP_LAUNCH, LOSS_TOLERANCE, WEIGHT_TOLERANCE, launch, llama_args
 
@@ -126,3 +126,19 @@ def test_layouts_that_cannot_continue_the_run_are_refused_by_key(ddp_lm_run, wor
     assert ("train.gradient_accumulation_steps: the checkpoint trained with an effective batch of 8 examples per "
             "optimizer step, which 3 data-parallel replica(s) cannot split") in proc.stderr
     assert not (out / "summary.json").exists()
+
+
+def test_a_length_grouped_batch_that_cannot_split_names_the_counts_that_can():
+    """The default recipe groups batches by length, so its batches keep their size (32) on another process count:
+    its effective batch of 32 cannot continue on 2 replicas, and the refusal names the count that can (1), not a
+    divisor rule the grouping does not follow."""
+    from framework.errors import UserError
+    from framework.recipe import load_config
+    from framework.resharding import split
+
+    cfg = load_config(ROOT / "recipes" / "text_classification.yaml", [])
+    assert cfg.data.group_by_length and cfg.train.batch_size == 32
+    with pytest.raises(UserError) as refused:
+        split(32, 2, cfg, lambda candidate: [])
+    assert "(data.group_by_length); launch 1 data-parallel replica(s), or choose a new output_dir" in str(refused.value)
+    assert split(64, 2, cfg, lambda candidate: []).train.gradient_accumulation_steps == 1
