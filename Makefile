@@ -93,7 +93,7 @@ test-slow-cpu: install slurm ray
 
 test-slow-xla: install-xla
 ifeq ($(XLA_PLATFORM),yes)
-	@$(call TIMED,test-slow-xla,PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" tests)
+	@$(call TIMED,test-slow-xla,PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -m "slow and xla" --durations=15 tests)
 else
 	@echo "test-slow-xla: SKIPPED, torch_xla has no wheel for $$(uname -sm) (Linux x86_64 only)"
 endif
