@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import itertools
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,13 +127,14 @@ def read_files(paths: List[str], key: str, cfg: DataConfig, streaming: bool = Fa
 
 def _holds_no_rows(path: str, builder: str, key: str) -> bool:
     """Whether a file the datasets builder could not read is empty of examples: nothing but blank lines, a table's
-    header alone, or an empty JSON list."""
+    header alone, or an empty JSON list. Reads up to its first two non-blank lines (a large malformed file is not
+    read whole)."""
     with _text_file(path, key) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
+        lines = list(itertools.islice((line for line in f if line.strip()), 2))
     if builder == "csv":
         return len(lines) <= 1
     if builder == "json":
-        return "".join(lines).replace(" ", "") in ("", "[]")
+        return "".join(line.strip() for line in lines).replace(" ", "") in ("", "[]")
     return not lines
 
 
